@@ -550,6 +550,31 @@ def check_families() -> Iterator[tuple[str, bool, str]]:
             where = "cpu" if on_cpu else "cuda"
             yield (f"fp32 {arch} vs transformers ({where}) graphs={graphs}", same == len(prompts),
                    f"{same}/4 agents equal")
+        if arch.split()[0] in HYBRIDS:  # verify steps: eager, and graphs with front-padded sequences
+            yield from hybrid_speculation(arch, path, prompts, want, where)
+
+
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def hybrid_speculation(arch: str, path: Path, prompts: list[list[int]], first: list[list[int]],
+                       where: str) -> Iterator[tuple[str, bool, str]]:
+    """A hybrid model's verify steps against transformers: histories that repeat themselves (the
+    drafters find the continuation), mixed drafters and draft lengths, graphs off and on (verify
+    graphs: each sequence front-padded, the padding left out of the linear layers, the commit
+    reading the verify stash)."""
+    prompts = [p + f + p for p, f in zip(prompts, first)]
+    want = transformers_greedy(path, prompts, where)
+    for graphs in (False, True):
+        with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, cuda_graphs=graphs) as gpu:
+            got = batched_greedy(gpu, prompts, 32, MIXED_SPECULATION)
+            stats = gpu.stats()
+            verify_graphs = 0 if gpu.core.runner.graphs is None else len(gpu.core.runner.graphs.verified)
+        same = sum(a == b for a, b in zip(got, want))
+        yield (f"spec fp32 {arch} vs transformers ({where}) graphs={graphs}",
+               same == len(prompts) and stats.draft_tokens_accepted > 0 and (verify_graphs > 0) == graphs,
+               f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} drafts accepted "
+               f"in {stats.verify_steps} verify steps; {verify_graphs} verify graphs")
 
 
 def check_logprobs() -> Iterator[tuple[str, bool, str]]:

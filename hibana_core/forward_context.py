@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from hibana_core.kv.cache import KVCache
-from hibana_core.kv.recurrent_cache import RecurrentCache
+from hibana_core.kv.recurrent_cache import RecurrentCache, VerifyStash
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [B] int32: each sequence's recurrent state slot
     has_state: torch.Tensor | None = None    # [B] bool: the slot holds the state before its first row
     writes_state: bool = True                # False: a verify step (the states fold in the kept rows later)
+    state_skip: torch.Tensor | None = None   # [B] int32: padding rows in front of each sequence's (a CUDA graph's)
+    state_stash: VerifyStash | None = None   # where a verify graph leaves what the commit reads
 
 
 class ForwardContext:

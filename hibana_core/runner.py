@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hibana_core.forward_context import ForwardBatch, ForwardContext
+from hibana_core.kv.recurrent_cache import VerifyStash
 from hibana_core.kv.transfers import device_tensor
 from hibana_core.sampler import DraftEstimates, DraftRow, Sampler, SamplingRow, StepLogprobs, TokenMasks
 from hibana_core.scheduler import Request, RunnerOutput, SchedulerOutput
@@ -350,7 +351,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(data, len(rows)):
             logits, captured = self.graphs.run(data, previous, start)
             representative = not captured
-            if data.state_slots is not None:  # (a decode graph's step writes the states)
+            if data.state_slots is not None and data.writes_state:  # (a decode graph's step writes the states)
                 snapshot_states(scheduled)
         else:
             start()
@@ -458,7 +459,10 @@ class DecodeGraphs:
     1 + drafts for a verify step, `query_len` rounded up to a tier). A sequence with fewer is
     padded at the front with rows that recompute earlier positions and write nowhere (slot -1):
     attention reads keys from the cache, so those rows change nothing; their logits are dropped.
-    Padding sequences write nowhere either. Inputs live in static buffers. Attention is captured
+    Padding sequences write nowhere either. A hybrid model's linear-attention layers leave the
+    padding rows out (`ForwardBatch.state_skip`: a state folds in every row it runs) and their
+    verify graphs keep what the commit of the kept rows reads in a static `VerifyStash` (of
+    `STASH_BYTES` at most: steps of more rows run eagerly). Inputs live in static buffers. Attention is captured
     with max_seq_len = a span (`SPANS`, then the engine's max_model_len) at least the step's
     longest sequence, which the kernels allow (bounds may overstate): one graph per span serves
     every context length up to it.
@@ -468,6 +472,10 @@ class DecodeGraphs:
     """
 
     QUERY_LENS = (1, 2, 3, 5, 9, 17)  # 1 + draft tiers 0, 1, 2, 4, 8, 16
+    STASH_BYTES = 256 << 20
+    """A hybrid model's verify stash at most (every verify graph's rows up to what it holds):
+    Qwen3.5-35B-A3B keeps 1.0 MB a row across its 30 linear layers, so 17 rows (batch 1, 16
+    drafts) take 17 MB and 256 rows the whole 256 MB."""
     MAX_CAPTURE_FAILURES = 2  # then that shape runs eagerly
     SPANS = (1024, 2048)
     """Context lengths below the engine's max_model_len that get graphs of their own. Decode
@@ -504,24 +512,40 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.query_starts = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
                              for q in self.QUERY_LENS}  # one per query length: graphs keep their own
-        # a hybrid model's recurrent layers: decode graphs only (a verify graph's front padding would run
-        # through their states), each sequence's slot (-1: a padding sequence) and whether it continues one
-        self.hybrid = runner.ctx.recurrent is not None
-        self.query_lens = self.QUERY_LENS[:1] if self.hybrid else self.QUERY_LENS
+        # a hybrid model's recurrent layers: each sequence's slot (-1: a padding sequence), whether it
+        # continues one, the padding rows in front of its rows; the stash of verify graphs (their
+        # records of it per graph: `verified`)
+        recurrent = runner.ctx.recurrent
+        self.hybrid = recurrent is not None
         self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=dev) if self.hybrid else None
         self.has_state = torch.zeros(n, dtype=torch.bool, device=dev) if self.hybrid else None
+        self.state_skip = torch.zeros(n, dtype=torch.int32, device=dev) if self.hybrid else None
+        self.stash = None
+        if self.hybrid:
+            rows = min(n * q, self.STASH_BYTES // VerifyStash.row_bytes(recurrent.shapes, recurrent.dtype))
+            self.stash = VerifyStash(recurrent.shapes, rows, recurrent.dtype, dev)
+        self.verified: dict[tuple[int, int, int], list] = {}
 
     def fits(self, data: StepData, num_sampling: int) -> bool:
         """Every sequence samples (once, or after each draft) and has at most the largest query
         length and enough context for its front padding."""
         query_len = self._query_len(data.max_query_len)
         sequences = len(data.seq_lens)
-        return (query_len in self.query_lens and sequences <= self.buckets[-1]
+        if self.hybrid and query_len is not None and (  # decode graphs write the states, verify graphs do not
+                data.writes_state != (query_len == 1) or not self._stashed(sequences, query_len)):
+            return False  # (a prompt's tail without drafts, or a verify step of more rows than the stash: eager)
+        return (query_len is not None and sequences <= self.buckets[-1]
                 and num_sampling == len(data.logits_indices)
                 and (query_len == 1 or min(data.seq_lens) >= query_len)
                 and self._samples_every_chunk(data)
                 and max(data.seq_lens) <= self.spans[-1]
                 and max(len(t) for group in data.tables for t in group) <= self.max_blocks)
+
+    def _stashed(self, sequences: int, query_len: int) -> bool:
+        """Whether a hybrid model's graph of this many sequences and rows each fits the verify stash
+        (a decode graph does: it keeps nothing there)."""
+        i = bisect.bisect_left(self.buckets, sequences)
+        return query_len == 1 or (i < len(self.buckets) and self.buckets[i] * query_len <= self.stash.rows)
 
     @staticmethod
     def _samples_every_chunk(data: StepData) -> bool:
@@ -542,14 +566,15 @@ class DecodeGraphs:
     @staticmethod
     def _pad_rows(data: StepData, bucket: int, q: int):
         """Inputs of a verify graph: each sequence front-padded to q rows, then padding
-        sequences; `rows`: the graph row of each packed input row."""
+        sequences; `rows`: the graph row of each packed input row; `pads`: each sequence's padding rows."""
         n = len(data.seq_lens)
-        ids, positions, rows = [], [], []
+        ids, positions, rows, pads = [], [], [], []
         slots: list[list[int]] = [[] for _ in data.slots]
         for i in range(bucket):
             if i < n:
                 start, end, seq_len = data.starts[i], data.starts[i + 1], data.seq_lens[i]
                 pad = q - (end - start)
+                pads.append(pad)
                 ids += [0] * pad + data.ids[start:end]
                 positions += list(range(seq_len - q, seq_len - q + pad)) + data.positions[start:end]
                 for group, group_slots in zip(slots, data.slots):
@@ -560,7 +585,8 @@ class DecodeGraphs:
                 positions += list(range(q))
                 for group in slots:
                     group += [-1] * q
-        return ids, positions, slots, rows
+                pads.append(0)
+        return ids, positions, slots, rows, pads
 
     def run(self, data: StepData, previous: StepInFlight | None,
             ready: Callable[[], None] | None = None) -> tuple[torch.Tensor, bool]:
@@ -572,9 +598,9 @@ class DecodeGraphs:
             pad = bucket - n
             ids, positions = data.ids + [0] * pad, data.positions + [0] * pad
             slots = [group + [-1] * pad for group in data.slots]
-            rows = range(bucket)
+            rows, pads = range(bucket), None
         else:
-            ids, positions, slots, rows = self._pad_rows(data, bucket, q)
+            ids, positions, slots, rows, pads = self._pad_rows(data, bucket, q)
         # one host tensor and one copy per static input; the previous step's tokens on the device
         tables = torch.zeros(len(data.tables), bucket, self.max_blocks, dtype=torch.int32)
         for g, group in enumerate(data.tables):
@@ -594,6 +620,8 @@ class DecodeGraphs:
             self.state_slots[:bucket].copy_(torch.tensor(data.state_slots + [-1] * (bucket - n), dtype=torch.int32),
                                             non_blocking=True)
             self.has_state[:bucket].copy_(torch.tensor(data.has_state + [False] * (bucket - n)), non_blocking=True)
+            if pads is not None:
+                self.state_skip[:bucket].copy_(torch.tensor(pads, dtype=torch.int32), non_blocking=True)
         if data.from_device:
             moved = [DeviceInput(rows[d.index], d.row) for d in data.from_device]
             self.runner.take_from_device(self.input_ids, replace(data, from_device=moved), previous)
@@ -614,6 +642,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             try:
                 self.graphs[key] = graph, self._capture(graph, bucket, q, span)
+                if self.hybrid and q > 1:  # what the captured forward left for the commit: the stash's rows
+                    self.verified[key] = self.runner.model.verified
             except Exception as error:  # noqa: BLE001 - the step runs eagerly; the error is logged
                 self.failures[key] = self.failures.get(key, 0) + 1
                 self._forget(graph)
@@ -623,6 +653,8 @@ class DecodeGraphs:
                 return self._forward(bucket, q, span)
         graph, logits = self.graphs[key]
         graph.replay()
+        if key in self.verified:  # a hybrid verify graph's record of its stash, for the commit
+            self.runner.model.verified = self.verified[key]
         return logits
 
     def _stays_eager(self, key: tuple[int, int, int]) -> bool:
@@ -633,8 +665,6 @@ class DecodeGraphs:
         17 tokens; beyond that, sequences of 17), on inputs that write nowhere and attend to
         their own few positions. False where no graph covers that many tokens."""
         top = self.QUERY_LENS[-1]
-        if self.hybrid and num_tokens > 1:  # (no verify graphs: the eager profile step runs)
-            return False
         if num_tokens <= top:
             bucket, q = self.buckets[0], self._query_len(num_tokens)
         else:
@@ -642,6 +672,8 @@ class DecodeGraphs:
             if i == len(self.buckets):
                 return False
             bucket, q = self.buckets[i], top
+        if self.hybrid and q > 1 and not self._stashed(bucket, q):
+            return False
         self._write_nowhere(bucket, q)
         self._replay(bucket, q, self.spans[0])  # the few positions fit the shortest span
         return True
@@ -652,15 +684,16 @@ class DecodeGraphs:
         captured yet (or given up on): a graph is otherwise captured by the first step of its
         shape, which then takes tens of milliseconds longer (a conversation crossing a span, a
         draft length first chosen). Returns how many were captured."""
-        tiers = self.query_lens if max_drafts is None else \
-            self.query_lens[:bisect.bisect_left(self.query_lens, max_drafts + 1) + 1]  # up to max_drafts + 1's tier
+        tiers = self.QUERY_LENS if max_drafts is None else \
+            self.QUERY_LENS[:bisect.bisect_left(self.QUERY_LENS, max_drafts + 1) + 1]  # up to max_drafts + 1's tier
         buckets = self.buckets[:bisect.bisect_left(self.buckets, max(1, max_sequences)) + 1]
         captured = 0
         for bucket in buckets:
             for q in tiers:
                 for span in self.spans:
                     key = (bucket, q, span)
-                    if key in self.graphs or self._stays_eager(key):
+                    if key in self.graphs or self._stays_eager(key) or (
+                            self.hybrid and q > 1 and not self._stashed(bucket, q)):
                         continue
                     self._write_nowhere(bucket, q)
                     self._replay(bucket, q, span)
@@ -678,10 +711,15 @@ class DecodeGraphs:
         self.block_tables[:, :bucket].zero_()
         if self.hybrid:  # no state read or written
             self.state_slots[:bucket].fill_(-1)
+            self.state_skip[:bucket].zero_()
 
     def _forward(self, bucket: int, q: int, span: int) -> torch.Tensor:
         size = bucket * q
-        recurrent = dict(state_slots=self.state_slots[:bucket], has_state=self.has_state[:bucket]) if self.hybrid else {}
+        recurrent = {}
+        if self.hybrid:  # decode graphs write the states; verify graphs leave them to the commit
+            recurrent = dict(state_slots=self.state_slots[:bucket], has_state=self.has_state[:bucket], writes_state=q == 1)
+            if q > 1:
+                recurrent.update(state_skip=self.state_skip[:bucket], state_stash=self.stash)
         batch = ForwardBatch(self.slot_mapping[:, :size], self.block_tables[:, :bucket],
                              self.seq_lens[:bucket], self.query_starts[q][:bucket + 1],
                              max_query_len=q, max_seq_len=span,

@@ -316,48 +316,55 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   conv_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
                   query_start_loc: torch.Tensor, activation: str | None = "silu",
-                  write: bool = True) -> torch.Tensor:
+                  write: bool = True, skip: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  x_copy: torch.Tensor | None = None) -> torch.Tensor:
     """A linear-attention layer's short depthwise convolution of packed rows x [T, C] (weight
     [C, K]), each sequence continuing from its slot of conv_state [S, C, K-1] (`write`: left
-    there after its rows); see `hibana_kernels.recurrent.causal_conv1d`."""
+    there after its rows; `skip`: padding rows in front of each sequence's; `out`, `x_copy`:
+    buffers for the output and a copy of x's rows); see `hibana_kernels.recurrent.causal_conv1d`."""
     impl = _triton("recurrent", x) or recurrent
-    return impl.causal_conv1d(x, weight, bias, conv_state, slots, has_state, query_start_loc, activation, write)
+    return impl.causal_conv1d(x, weight, bias, conv_state, slots, has_state, query_start_loc, activation, write,
+                              skip, out, x_copy)
 
 
 def conv_advance(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                  query_start_loc: torch.Tensor, counts: torch.Tensor,
-                 has_state: torch.Tensor | None = None) -> None:
+                 has_state: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
     """After `causal_conv1d(..., write=False)` over x, each slot's state after its sequence's first
-    counts[b] rows alone (the tokens speculative decoding kept)."""
-    (_triton("recurrent", x) or recurrent).conv_advance(x, conv_state, slots, query_start_loc, counts, has_state)
+    counts[b] rows alone (the tokens speculative decoding kept), counted after skip[b] rows."""
+    (_triton("recurrent", x) or recurrent).conv_advance(x, conv_state, slots, query_start_loc, counts, has_state,
+                                                        skip)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor, query_start_loc: torch.Tensor,
-                     write: bool = True) -> torch.Tensor:
+                     write: bool = True, skip: torch.Tensor | None = None) -> torch.Tensor:
     """Gated DeltaNet's delta rule over packed rows (q, k [T, Hk, Dk], v [T, Hv, Dv], log decay g and
     beta [T, Hv]), each sequence continuing from its slot of the float32 state [S, Hv, Dk, Dv]
-    (`write`: left there after its rows); see `hibana_kernels.recurrent.gated_delta_rule`."""
+    (`write`: left there after its rows; `skip`: padding rows in front of each sequence's); see
+    `hibana_kernels.recurrent.gated_delta_rule`."""
     impl = _triton("recurrent", v) or recurrent
-    return impl.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write)
+    return impl.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write, skip)
 
 
 def gated_delta_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
-                        counts: torch.Tensor, has_state: torch.Tensor | None = None) -> None:
+                        counts: torch.Tensor, has_state: torch.Tensor | None = None,
+                        skip: torch.Tensor | None = None) -> None:
     """After `gated_delta_rule(..., write=False)`, each slot's state after its sequence's first
-    counts[b] rows alone (the tokens speculative decoding kept)."""
+    counts[b] rows alone (the tokens speculative decoding kept), counted after skip[b] rows."""
     impl = _triton("recurrent", v) or recurrent
-    impl.gated_delta_advance(k, v, g, beta, state, slots, query_start_loc, counts, has_state)
+    impl.gated_delta_advance(k, v, g, beta, state, slots, query_start_loc, counts, has_state, skip)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              dt_bias: torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Gated DeltaNet layer's gates of rows a, b [T, Hv] (weights a_log, dt_bias [Hv]): (g =
     -exp(a_log) * softplus(a + dt_bias) float32, beta = sigmoid(b) in b's dtype), one launch on
-    the GPU; see `hibana_kernels.recurrent.gdn_gates`."""
-    return (_triton("recurrent", a) or recurrent).gdn_gates(a, b, a_log, dt_bias)
+    the GPU (`out`: their buffers, [T, Hv] each); see `hibana_kernels.recurrent.gdn_gates`."""
+    return (_triton("recurrent", a) or recurrent).gdn_gates(a, b, a_log, dt_bias, out)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -43,17 +43,25 @@ def check_activation(activation: str | None) -> None:
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   conv_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
                   query_start_loc: torch.Tensor, activation: str | None = "silu",
-                  write: bool = True) -> torch.Tensor:
+                  write: bool = True, skip: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  x_copy: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal convolution of packed rows, each sequence continuing from its state.
 
     x: [T, C]; weight: [C, K]; bias: [C] or None; conv_state: [S, C, K-1] in x's dtype, a
     sequence's K-1 inputs before its first row. Returns y [T, C] in x's dtype: activation(conv of
     (previous K-1 inputs ++ rows)), computed in the weight's dtype as transformers'
     `causal_conv1d_update` does. `write`: the slot then holds the last K-1 inputs of
-    (previous ++ rows), part of the previous state where a sequence has fewer than K-1 rows."""
+    (previous ++ rows), part of the previous state where a sequence has fewer than K-1 rows.
+
+    skip: [B] int32 or None, rows at the front of each sequence's that are none of its own (a
+    CUDA graph's padding): left out, as if its rows began after them. out: y's buffer ([T, C] or
+    more rows; rows outside the sequences' are left as they are), else zeros. x_copy: [T, C] or
+    more rows, where the sequences' rows of x are copied (a verify step's stash for `conv_advance`)."""
     check_activation(activation)
-    y = torch.zeros_like(x)
-    for slot, has, start, end in _sequences(slots, has_state, query_start_loc):
+    y = torch.zeros_like(x) if out is None else out
+    for slot, has, start, end in _sequences(slots, has_state, query_start_loc, skip=skip):
+        if x_copy is not None:
+            x_copy[start:end] = x[start:end]
         inputs = _with_previous(conv_state, slot, has, x[start:end])  # [C, K-1 + rows]
         out = F.conv1d(inputs.to(weight.dtype)[None], weight[:, None], bias, groups=x.shape[1])[0]
         if activation == "silu":
@@ -66,12 +74,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def conv_advance(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                  query_start_loc: torch.Tensor, counts: torch.Tensor,
-                 has_state: torch.Tensor | None = None) -> None:
+                 has_state: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
     """After a `causal_conv1d(..., write=False)` step over x, the state `write=True` over the
     first counts[b] rows of each sequence alone would have left: the last K-1 inputs of
     (previous ++ those rows). counts: [B] int32, at most each sequence's rows; 0 leaves the slot
-    as it is. has_state: as the step's (None: every slot holds its sequence's state)."""
-    for slot, has, start, end in _sequences(slots, has_state, query_start_loc, counts):
+    as it is. has_state: as the step's (None: every slot holds its sequence's state). skip: as
+    `causal_conv1d`'s, the rows counted from after them."""
+    for slot, has, start, end in _sequences(slots, has_state, query_start_loc, counts, skip):
         conv_state[slot] = _last(_with_previous(conv_state, slot, has, x[start:end]), conv_state.shape[-1])
 
 
@@ -88,7 +97,7 @@ def _last(inputs: torch.Tensor, width: int) -> torch.Tensor:
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor, query_start_loc: torch.Tensor,
-                     write: bool = True) -> torch.Tensor:
+                     write: bool = True, skip: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule over packed rows, each sequence continuing from its state.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv], Hv a multiple of Hk (each q/k head serves Hv // Hk
@@ -97,12 +106,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
         S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q
 
-    Returns o [T, Hv, Dv] in v's dtype; `write`: the slot then holds the state after the
-    sequence's last row. A sequence of several rows runs the chunked form (transformers'
-    `torch_chunk_gated_delta_rule`), a single row the recurrent one: the same to float32 rounding."""
+    Returns o [T, Hv, Dv] in v's dtype (zeros outside the sequences' rows); `write`: the slot then
+    holds the state after the sequence's last row; skip: as `causal_conv1d`'s. A sequence of
+    several rows runs the chunked form (transformers' `torch_chunk_gated_delta_rule`), a single row
+    the recurrent one: the same to float32 rounding."""
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     group = v.shape[1] // k.shape[1]
-    for slot, has, start, end in _sequences(slots, has_state, query_start_loc):
+    for slot, has, start, end in _sequences(slots, has_state, query_start_loc, skip=skip):
         rows = slice(start, end)
         initial = state[slot] if has else torch.zeros_like(state[slot])
         form = _chunked if end - start > 1 else _recurrent
@@ -116,13 +126,14 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def gated_delta_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
-                        counts: torch.Tensor, has_state: torch.Tensor | None = None) -> None:
+                        counts: torch.Tensor, has_state: torch.Tensor | None = None,
+                        skip: torch.Tensor | None = None) -> None:
     """After a `gated_delta_rule(..., write=False)` step, the state `write=True` over the first
     counts[b] rows of each sequence alone would have left, token by token (the recurrent form).
     counts: [B] int32, at most each sequence's rows; 0 leaves the slot as it is. has_state: as
-    the step's (None: every slot holds its sequence's state)."""
+    the step's (None: every slot holds its sequence's state); skip: as `causal_conv1d`'s."""
     group = v.shape[1] // k.shape[1]
-    for slot, has, start, end in _sequences(slots, has_state, query_start_loc, counts):
+    for slot, has, start, end in _sequences(slots, has_state, query_start_loc, counts, skip):
         rows = slice(start, end)
         initial = state[slot] if has else torch.zeros_like(state[slot])
         _, state[slot] = _recurrent(None, _unit(k[rows], group), v[rows].float(), g[rows].float(),
@@ -177,8 +188,8 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return o.transpose(0, 1), s
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Gated DeltaNet layer's gates of each row and value head: (g, beta).
 
     a, b: [T, Hv] in the model dtype (any row stride: views of the fused gate projection);
@@ -186,9 +197,13 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     `gated_delta_rule` takes (a_log's exp in float32: in fp16 it could overflow; a + dt_bias
     float32 by type promotion; softplus with its threshold 20); beta = sigmoid(b) [T, Hv] in b's
     dtype (computed in float32 and rounded once, as torch does for 16-bit floats). transformers'
-    two lines, as they are."""
+    two lines, as they are. out: (g, beta)'s buffers, [T, Hv] each, written and returned."""
     beta = b.sigmoid()
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    if out is not None:
+        out[0].copy_(g)
+        out[1].copy_(beta)
+        return out
     return g, beta
 
 
@@ -206,15 +221,18 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def _sequences(slots: torch.Tensor, has_state: torch.Tensor | None, query_start_loc: torch.Tensor,
-               counts: torch.Tensor | None = None) -> Iterator[tuple[int, bool, int, int]]:
+               counts: torch.Tensor | None = None,
+               skip: torch.Tensor | None = None) -> Iterator[tuple[int, bool, int, int]]:
     """(slot, has_state, start, end) of each sequence with a slot and rows to run, as host ints:
-    its rows, or with `counts` its first counts[b]. has_state None: every slot holds its state."""
+    its rows after the first skip[b], or with `counts` the first counts[b] of those. has_state
+    None: every slot holds its state."""
     bounds = query_start_loc.tolist()
     num = len(bounds) - 1
     has_state = [True] * num if has_state is None else has_state.tolist()
     counts = [None] * num if counts is None else counts.tolist()
+    skip = [0] * num if skip is None else skip.tolist()
     for b, (slot, has, count) in enumerate(zip(slots.tolist(), has_state, counts)):
-        start, end = bounds[b], bounds[b + 1]
+        start, end = min(bounds[b] + skip[b], bounds[b + 1]), bounds[b + 1]
         if count is not None:
             end = min(end, start + max(count, 0))
         if slot >= 0 and end > start:

@@ -41,6 +41,17 @@ def _only_if(condition, mask):
 
 
 @triton.jit
+def _rows_of(qsl_ptr, skip_ptr, seq, SKIP: tl.constexpr):
+    """(start, end) of a sequence's rows, int64 (offsets of T * C can pass 2^31); SKIP: the first
+    skip[seq] of them are padding, none of its own."""
+    start = tl.load(qsl_ptr + seq).to(tl.int64)
+    end = tl.load(qsl_ptr + seq + 1).to(tl.int64)
+    if SKIP:
+        start = tl.minimum(start + tl.load(skip_ptr + seq).to(tl.int64), end)
+    return start, end
+
+
+@triton.jit
 def _inputs(x_ptr, state_row, c, cm, pos, valid, start, has, stride_x, K: tl.constexpr):
     """The inputs at absolute rows `pos` [N] (where `valid`, else zero) and channels c [BLOCK_C]
     -> [BLOCK_C, N] in x's dtype: a row of the sequence (pos >= start), else its slot's previous
@@ -64,17 +75,18 @@ def _store_shifted_state(x_ptr, state_row, c, cm, start, end, has, write, stride
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, slots_ptr, has_ptr, qsl_ptr,
-                 stride_x, stride_out, stride_ss, stride_sc, C,
+def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, copy_ptr, slots_ptr, has_ptr, qsl_ptr, skip_ptr,
+                 stride_x, stride_out, stride_copy, stride_ss, stride_sc, C,
                  K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, WRITE: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, WRITE: tl.constexpr, SKIP: tl.constexpr,
+                 COPY_X: tl.constexpr):
     """Program (sequence, channel block): its output rows, then (WRITE) its slot's new state.
-    Each row reads its K inputs back from x and the state (cached): no window to shift."""
+    Each row reads its K inputs back from x and the state (cached): no window to shift. SKIP: the
+    sequence's rows start skip[seq] rows in; COPY_X: its rows of x are copied to copy_ptr."""
     seq = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
-    start = tl.load(qsl_ptr + seq).to(tl.int64)  # int64 rows: offsets of T * C can pass 2^31
-    end = tl.load(qsl_ptr + seq + 1).to(tl.int64)
+    start, end = _rows_of(qsl_ptr, skip_ptr, seq, SKIP)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     has = tl.load(has_ptr + seq) != 0
     state_row = state_ptr + tl.maximum(slot, 0) * stride_ss + c[:, None] * stride_sc
@@ -94,20 +106,23 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, slots_ptr, has_ptr, qs
         if SILU:
             y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + t * stride_out + c, y.to(w_dtype).to(out_ptr.dtype.element_ty), mask=cm)
+        if COPY_X:
+            tl.store(copy_ptr + t * stride_copy + c, tl.load(x_ptr + t * stride_x + c, mask=cm), mask=cm)
     if WRITE:
         _store_shifted_state(x_ptr, state_row, c, cm, start, end, has, stop > start, stride_x, K, BLOCK_W)
 
 
 @triton.jit
-def _conv_advance_kernel(x_ptr, state_ptr, slots_ptr, has_ptr, qsl_ptr, counts_ptr,
+def _conv_advance_kernel(x_ptr, state_ptr, slots_ptr, has_ptr, qsl_ptr, skip_ptr, counts_ptr,
                          stride_x, stride_ss, stride_sc, C,
-                         K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Program (sequence, channel block): the slot's state after its first counts[seq] rows."""
+                         K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, SKIP: tl.constexpr):
+    """Program (sequence, channel block): the slot's state after its first counts[seq] rows
+    (SKIP: after skip[seq] rows)."""
     seq = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
-    start = tl.load(qsl_ptr + seq).to(tl.int64)
-    stop = start + tl.maximum(tl.minimum(tl.load(counts_ptr + seq), tl.load(qsl_ptr + seq + 1) - start), 0)
+    start, end = _rows_of(qsl_ptr, skip_ptr, seq, SKIP)
+    stop = start + tl.maximum(tl.minimum(tl.load(counts_ptr + seq), end - start), 0)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     has = tl.load(has_ptr + seq) != 0
     state_row = state_ptr + tl.maximum(slot, 0) * stride_ss + c[:, None] * stride_sc
@@ -124,21 +139,21 @@ def _unit_row(ptr, d, dm):
 
 @triton.jit
 def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, has_ptr, qsl_ptr,
-                       counts_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       skip_ptr, counts_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_gt, stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, scale,
                        DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BLOCK_DK: tl.constexpr,
-                       BLOCK_DV: tl.constexpr, ADVANCE: tl.constexpr, WRITE: tl.constexpr):
+                       BLOCK_DV: tl.constexpr, ADVANCE: tl.constexpr, WRITE: tl.constexpr, SKIP: tl.constexpr):
     """Program (sequence, v head, Dv block): the state's [Dk, BLOCK_DV] slice, token by token.
     ADVANCE: `gated_delta_advance`, the first counts[seq] rows and no output; else
-    `gated_delta_rule`, every row with its output, the state kept where WRITE."""
+    `gated_delta_rule`, every row with its output, the state kept where WRITE. SKIP: the
+    sequence's rows start skip[seq] rows in."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dkm, dvm = dk < DK, dv < DV
-    start = tl.load(qsl_ptr + seq).to(tl.int64)  # int64 rows: offsets can pass 2^31
-    end = tl.load(qsl_ptr + seq + 1).to(tl.int64)
+    start, end = _rows_of(qsl_ptr, skip_ptr, seq, SKIP)
     if ADVANCE:
         end = start + tl.maximum(tl.minimum(tl.load(counts_ptr + seq), end - start), 0)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
@@ -255,56 +270,63 @@ def _conv_grid(num_seqs: int, channels: int) -> tuple[tuple[int, int], int]:
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   conv_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
                   query_start_loc: torch.Tensor, activation: str | None = "silu",
-                  write: bool = True) -> torch.Tensor:
+                  write: bool = True, skip: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  x_copy: torch.Tensor | None = None) -> torch.Tensor:
     """See `hibana_kernels.recurrent.causal_conv1d`."""
     check_activation(activation)
     x, weight, conv_state = _rows(x), weight.contiguous(), _in_place(conv_state)
     channels, width = weight.shape
-    y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if out is None else _in_place(out)
+    copy = y if x_copy is None else _in_place(x_copy)  # (any pointer: not written without COPY_X)
     grid, block = _conv_grid(slots.shape[0], channels)
     if grid[0]:
         bias_ptr = weight if bias is None else bias  # any pointer: not read without a bias
-        _conv_kernel[grid](x, weight, bias_ptr, conv_state, y, slots, has_state, query_start_loc, x.stride(0),
-                           y.stride(0), conv_state.stride(0), conv_state.stride(1), channels, K=width,
+        _conv_kernel[grid](x, weight, bias_ptr, conv_state, y, copy, slots, has_state, query_start_loc,
+                           slots if skip is None else skip, x.stride(0), y.stride(0), copy.stride(0),
+                           conv_state.stride(0), conv_state.stride(1), channels, K=width,
                            BLOCK_C=block, BLOCK_K=triton.next_power_of_2(width),
                            BLOCK_W=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
-                           SILU=activation == "silu", WRITE=write)
+                           SILU=activation == "silu", WRITE=write, SKIP=skip is not None,
+                           COPY_X=x_copy is not None)
     return y
 
 
 def conv_advance(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                  query_start_loc: torch.Tensor, counts: torch.Tensor,
-                 has_state: torch.Tensor | None = None) -> None:
+                 has_state: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
     """See `hibana_kernels.recurrent.conv_advance`."""
     x, conv_state = _rows(x), _in_place(conv_state)
     channels, width = conv_state.shape[1], conv_state.shape[2] + 1
     grid, block = _conv_grid(slots.shape[0], channels)
     if grid[0]:
-        _conv_advance_kernel[grid](x, conv_state, slots, _has_state(has_state, slots), query_start_loc, counts,
-                                   x.stride(0), conv_state.stride(0), conv_state.stride(1), channels, K=width,
-                                   BLOCK_C=block, BLOCK_W=triton.next_power_of_2(max(width - 1, 1)))
+        _conv_advance_kernel[grid](x, conv_state, slots, _has_state(has_state, slots), query_start_loc,
+                                   counts if skip is None else skip, counts, x.stride(0), conv_state.stride(0),
+                                   conv_state.stride(1), channels, K=width, BLOCK_C=block,
+                                   BLOCK_W=triton.next_power_of_2(max(width - 1, 1)), SKIP=skip is not None)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor, query_start_loc: torch.Tensor,
-                     write: bool = True) -> torch.Tensor:
+                     write: bool = True, skip: torch.Tensor | None = None) -> torch.Tensor:
     """See `hibana_kernels.recurrent.gated_delta_rule`."""
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-    _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, slots, write, advance=False)
+    _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, slots, write, advance=False,
+                skip=skip)
     return o
 
 
 def gated_delta_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
-                        counts: torch.Tensor, has_state: torch.Tensor | None = None) -> None:
+                        counts: torch.Tensor, has_state: torch.Tensor | None = None,
+                        skip: torch.Tensor | None = None) -> None:
     """See `hibana_kernels.recurrent.gated_delta_advance`."""
     # k and v stand in for q and o, which an advance neither reads nor writes
     _delta_rule(k, k, v, g, beta, state, v, slots, _has_state(has_state, slots), query_start_loc, counts,
-                write=True, advance=True)
+                write=True, advance=True, skip=skip)
 
 
-def _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, counts, write, advance):
+def _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, counts, write, advance, skip):
     """One `_delta_rule_kernel` launch."""
     q, k, v, g, beta, state = _rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), _in_place(state)
     num_v_heads, dk, dv = state.shape[1:]
@@ -312,21 +334,27 @@ def _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, c
     block_dv = min(triton.next_power_of_2(dv), max(STATE_TILE // block_dk, 16))
     grid = (slots.shape[0], num_v_heads, triton.cdiv(dv, block_dv))
     if grid[0]:
-        _delta_rule_kernel[grid](q, k, v, g, beta, state, o, slots, has_state, query_start_loc, counts,
+        _delta_rule_kernel[grid](q, k, v, g, beta, state, o, slots, has_state, query_start_loc,
+                                 counts if skip is None else skip, counts,
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state.stride(0),
                                  state.stride(1), state.stride(2), dk ** -0.5, DK=dk, DV=dv,
                                  GROUP=num_v_heads // k.shape[1], BLOCK_DK=block_dk, BLOCK_DV=block_dv,
-                                 ADVANCE=advance, WRITE=write)
+                                 ADVANCE=advance, WRITE=write, SKIP=skip is not None)
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See `hibana_kernels.recurrent.gdn_gates`."""
     a, b = _rows(a), _rows(b)
     tokens, heads = a.shape
-    g = torch.empty((tokens, heads), dtype=torch.float32, device=a.device)
-    beta = torch.empty((tokens, heads), dtype=b.dtype, device=b.device)
+    if out is None:
+        g = torch.empty((tokens, heads), dtype=torch.float32, device=a.device)
+        beta = torch.empty((tokens, heads), dtype=b.dtype, device=b.device)
+    else:
+        g, beta = out
+        if not (g.is_contiguous() and beta.is_contiguous()):
+            raise ValueError("gdn_gates writes contiguous [T, Hv] buffers")
     block_h = triton.next_power_of_2(heads)
     block_t = max(TILE // block_h, 1)
     grid = (triton.cdiv(tokens, block_t),)

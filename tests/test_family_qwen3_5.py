@@ -90,6 +90,53 @@ def test_qwen3_5_mixed_speculation_with_truncation_matches_transformers(qwen35, 
         assert_greedy_matches(qwen35, history, out)
 
 
+def test_hybrid_decode_and_verify_graphs_leave_their_padding_out(qwen35, make_engine, monkeypatch):
+    """A hybrid model's CUDA-graph path, on the CPU: decode graphs, and verify graphs whose
+    sequences are front-padded to the graph's rows (the linear layers leave the padding out) and
+    which keep what the commit reads in the verify stash. A stand-in graph's capture runs the step
+    once, as a capture records it; its replay runs it again on the static inputs into the captured
+    logits and clears the layers' records of the step, which only the graph's record brings back,
+    as after a real replay. mixed_batch's agents (several drafters, mixed draft lengths, async
+    scheduling) give the output without speculation, and transformers'."""
+    from hibana_core.runner import DecodeGraphs
+
+    class Graph:
+        def replay(self):
+            self.step()
+
+    def capture(graphs, graph, bucket, q, span):
+        model, slots = graphs.runner.model, graphs.state_slots.clone()
+        graphs.state_slots.fill_(-1)  # a capture records the step, runs nothing: no state changes
+        logits = graphs._forward(bucket, q, span)
+        graphs.state_slots.copy_(slots)
+
+        def step():
+            logits.copy_(graphs._forward(bucket, q, span))
+            model.verified = [None] * len(model.verified)
+
+        graph.step = step
+        return logits
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    made = []
+
+    def with_graphs(path, **options):
+        engine = make_engine(path, **options)
+        runner = engine.core.runner
+        runner.graphs = DecodeGraphs(runner, engine.config.scheduler.max_concurrent_agents)
+        made.append(runner.graphs)
+        return engine
+
+    histories, want = mixed_batch(with_graphs, qwen35, VOCAB_SIZE, seed=36)
+    graphs = made[0]
+    verify = {key for key in graphs.graphs if key[1] > 1}
+    assert verify and verify == set(graphs.verified) and any(key[1] == 1 for key in graphs.graphs)
+    assert any(key[0] > 1 for key in verify)  # sequences of several lengths in one graph
+    for history, out in zip(histories, want):
+        assert_greedy_matches(qwen35, history, out)
+
+
 def test_a_history_cut_inside_the_last_reply_continues_from_the_prompts_snapshot(qwen35, make_engine):
     """The next turn re-renders the last reply differently (a template rewriting it): the state
     goes back to the snapshot taken where the last prompt ended, recomputes from there, and

@@ -278,6 +278,71 @@ def test_advance_without_has_state():
     check_advance_without_has_state("cpu")
 
 
+def padded(batch, pads, tensor):
+    """tensor's rows of `batch` with pads[b] rows of NaN in front of sequence b's (a CUDA graph's
+    front padding, which the kernels must never read), and the padded batch."""
+    parts, wider = [], []
+    for (rows, slot, has), (index, _, _), pad in zip(batch, sequences(batch), pads):
+        parts += [torch.full((pad, *tensor.shape[1:]), float("nan"), dtype=tensor.dtype, device=tensor.device),
+                  tensor[index]]
+        wider.append((rows + pad, slot, has))
+    return torch.cat(parts), tuple(wider)
+
+
+def check_front_padding(device, dtype, batch, kept, use_triton=False):
+    """A verify step whose sequences are front-padded (skip), writing its conv output and a copy
+    of x into given buffers and its gates into given buffers, then its advance with skip: each
+    the unpadded step's, the padding never read, the buffers' padding rows left as they were."""
+    impl = _triton() if use_triton else recurrent
+    pads = [(3 * i) % 4 for i in range(len(batch))]
+    slots, has_state, qsl = layout(batch, device)
+    skip = torch.tensor(pads, dtype=torch.int32, device=device)
+    counts = torch.tensor(kept, dtype=torch.int32, device=device)
+    x, weight, b, conv_state = conv_inputs(batch, dtype, device, seed=5)
+    px, wide = padded(batch, pads, x)
+    _, _, pqsl = layout(wide, device)
+    own = ~px[:, 0].isnan()  # the padded batch's rows that are the sequences'
+    expected_conv = conv_state.clone()
+    want = recurrent.causal_conv1d(x, weight, b, expected_conv.clone(), slots, has_state, qsl, "silu", False)
+    out, x_copy = torch.full_like(px, 7.0), torch.full_like(px, 9.0)
+    y = impl.causal_conv1d(px, weight, b, conv_state, slots, has_state, pqsl, "silu", False, skip, out, x_copy)
+    assert y.data_ptr() == out.data_ptr()
+    live = own & torch.tensor([s >= 0 for (n, s, _), p in zip(batch, pads) for s in [s] * (n + p)], device=device)
+    torch.testing.assert_close(out[live], want[torch.tensor([s >= 0 for n, s, _ in batch for _ in range(n)],
+                                                             device=device)], **TOLERANCE[dtype])
+    assert torch.equal(out[~own], torch.full_like(out[~own], 7.0))
+    assert torch.equal(x_copy[live], px[live]) and torch.equal(x_copy[~own], torch.full_like(x_copy[~own], 9.0))
+    torch.testing.assert_close(conv_state, expected_conv, atol=0, rtol=0)  # (write=False)
+    impl.conv_advance(x_copy, conv_state, slots, pqsl, counts, has_state, skip)
+    recurrent.conv_advance(x, expected_conv, slots, qsl, counts, has_state)
+    torch.testing.assert_close(conv_state, expected_conv, atol=0, rtol=0)
+
+    q, k, v, g, beta, state = delta_inputs(batch, dtype, device, seed=6)
+    pq, pk, pv, pg, pbeta = (padded(batch, pads, t)[0] for t in (q, k, v, g, beta))
+    expected = state.clone()
+    want = recurrent.gated_delta_rule(q, k, v, g, beta, expected.clone(), slots, has_state, qsl, write=False)
+    o = impl.gated_delta_rule(pq, pk, pv, pg, pbeta, state, slots, has_state, pqsl, write=False, skip=skip)
+    torch.testing.assert_close(o[own], want, **TOLERANCE[dtype])
+    assert not o[~own].any()  # zeros, as rows of no sequence
+    torch.testing.assert_close(state, expected, atol=0, rtol=0)
+    impl.gated_delta_advance(pk, pv, pg, pbeta, state, slots, pqsl, counts, has_state, skip)
+    recurrent.gated_delta_advance(k, v, g, beta, expected, slots, qsl, counts, has_state)
+    torch.testing.assert_close(state, expected, **STATE_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_front_padded_verify_step_skips_its_padding(dtype):
+    check_front_padding("cpu", dtype, BATCH, KEPT)
+
+
+def test_gdn_gates_write_given_buffers():
+    a, b, a_log, dt_bias = gate_inputs(torch.bfloat16)
+    buffers = (torch.empty(a.shape, dtype=torch.float32), torch.empty(a.shape, dtype=torch.bfloat16))
+    g, beta = hibana_kernels.gdn_gates(a, b, a_log, dt_bias, out=buffers)
+    assert g is buffers[0] and beta is buffers[1]
+    assert all(torch.equal(x, y) for x, y in zip((g, beta), recurrent.gdn_gates(a, b, a_log, dt_bias)))
+
+
 def test_activation_is_checked():
     x, weight, b, state = conv_inputs(SMALL_BATCH, torch.float32)
     with pytest.raises(ValueError, match="activation"):
@@ -382,6 +447,23 @@ def test_triton_verify_then_advance(run_check):
 def test_triton_advance_without_has_state(run_check):
     run_check(check_advance_without_has_state, use_triton=True)
 
+
+
+def test_triton_front_padded_verify_step(run_check):
+    run_check(check_front_padding, dtype=torch.float32, batch=SMALL_BATCH, kept=SMALL_KEPT, use_triton=True)
+
+
+def check_gdn_gates_into_buffers(device):
+    a, b, a_log, dt_bias = gate_inputs(torch.float32, device)
+    buffers = (torch.full(a.shape, 5.0, device=device), torch.full(a.shape, 5.0, device=device))
+    g, beta = _triton().gdn_gates(a, b, a_log, dt_bias, out=buffers)
+    assert g is buffers[0] and beta is buffers[1]
+    expected_g, expected_beta = _triton().gdn_gates(a, b, a_log, dt_bias)
+    assert torch.equal(g, expected_g) and torch.equal(beta, expected_beta)
+
+
+def test_triton_gdn_gates_into_buffers(run_check):
+    run_check(check_gdn_gates_into_buffers)
 
 
 GATES_ULPS = {torch.float32: 4, torch.bfloat16: 1, torch.float16: 1}

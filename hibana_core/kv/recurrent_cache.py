@@ -90,3 +90,28 @@ class RecurrentCache:
         for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
             conv[slot].copy_(tensors["conv"][i])
             ssm[slot].copy_(tensors["ssm"][i])
+
+
+class VerifyStash:
+    """Static buffers in which a CUDA graph's verify step leaves, per linear layer, what the commit
+    of its kept rows reads (`GatedDeltaNet.commit`): the convolution's inputs and outputs (k and v
+    among them), g and beta, for up to `rows` rows. An eager step's tensors live until the commit
+    by reference; a graph's would be the graph pool's, shared with the graphs captured after it."""
+
+    def __init__(self, shapes: list[RecurrentShape], rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows = rows
+        self.inputs = [torch.zeros(rows, s.conv_dim, dtype=dtype, device=device) for s in shapes]
+        self.outputs = [torch.zeros(rows, s.conv_dim, dtype=dtype, device=device) for s in shapes]
+        self.g = [torch.zeros(rows, s.heads, dtype=torch.float32, device=device) for s in shapes]
+        self.beta = [torch.zeros(rows, s.heads, dtype=dtype, device=device) for s in shapes]
+
+    @staticmethod
+    def row_bytes(shapes: list[RecurrentShape], dtype: torch.dtype) -> int:
+        """A row's bytes across all layers."""
+        return sum(2 * s.conv_dim * dtype.itemsize + s.heads * (4 + dtype.itemsize) for s in shapes)
+
+    def layer(self, index: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv inputs, conv outputs, g, beta) of the index-th linear layer's first `rows` rows."""
+        if rows > self.rows:
+            raise ValueError(f"a verify stash of {self.rows} rows cannot hold a step of {rows}")
+        return self.inputs[index][:rows], self.outputs[index][:rows], self.g[index][:rows], self.beta[index][:rows]

@@ -852,6 +852,17 @@ class DecoderForCausalLM(nn.Module):
             if layer.linear:
                 layer.linear_attn.commit(counts, skip)
 
+    @property
+    def verified(self) -> list:
+        """What each linear layer's last verify step left for `commit_recurrent` (a CUDA graph
+        records it at capture and gives it back after each replay)."""
+        return [layer.linear_attn.verified for layer in self.model.layers if layer.linear]
+
+    @verified.setter
+    def verified(self, records: list) -> None:
+        for layer, record in zip((layer for layer in self.model.layers if layer.linear), records, strict=True):
+            layer.linear_attn.verified = record
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.args.logits_scaling != 1.0:  # (Granite's: a division, as transformers')

@@ -9,7 +9,8 @@ step, through the kernels of `hibana_kernels.recurrent`.
 
 A verify step of speculative decoding (`ForwardBatch.writes_state` False) computes its rows from
 the states without changing them and keeps what the states need to fold in the rows that sampling
-keeps (`commit`).
+keeps (`commit`): its own tensors, or in a CUDA graph the static `VerifyStash`, where the graph's
+sequences are front-padded (`ForwardBatch.state_skip`: rows the kernels leave out).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()  # the gated RMSNorm's weight, under the checkpoint's name
         self.norm.weight = nn.Parameter(torch.ones(linear.value_head_dim))
         self.out_proj = Linear(self.value_dim, args.hidden_size, bias=False)
-        self._verified: tuple | None = None  # what a verify step leaves for `commit`
+        self.verified: tuple | None = None
+        """What the last verify step left for `commit` (a CUDA graph's, recorded at its capture, is
+        given back after each replay: the graph's forward ran once, in Python)."""
 
     def _projections(self, args, linear: type) -> None:
         """Two fused projections, as quantized checkpoints allow: the wide q/k/v and z, and the
@@ -96,16 +99,21 @@ class GatedDeltaNet(nn.Module):
         batch = self.ctx.batch
         conv_state, state = self.ctx.recurrent.layer(self.index)
         slots, has_state, starts, writes = batch.state_slots, batch.has_state, batch.query_start_loc, batch.writes_state
+        skip = batch.state_skip  # a verify graph's padding rows, in front of each sequence's
+        inputs = conv_out = gates = None
+        if batch.state_stash is not None and not writes:  # a verify graph's: what `commit` reads, kept static
+            inputs, conv_out, *gates = batch.state_stash.layer(self.index, tokens)
         # mixed [T, conv_dim]: a view of in_proj's rows, which the convolution (and its advance) read strided
         conv = kernels.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, has_state,
-                                     starts, "silu", writes)
+                                     starts, "silu", writes, skip, conv_out, inputs)
         q, k, v = conv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q = q.reshape(tokens, self.num_key_heads, self.key_head_dim)
         k = k.reshape(tokens, self.num_key_heads, self.key_head_dim)
         v = v.reshape(tokens, self.num_value_heads, self.value_head_dim)
-        g, beta = kernels.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv]: float32, the model dtype
-        o = kernels.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, starts, writes)  # [T, Hv, Dv]
-        self._verified = None if writes else (mixed, k, v, g, beta, slots, has_state, starts)
+        g, beta = kernels.gdn_gates(a, b, self.A_log, self.dt_bias, gates)  # [T, Hv]: float32, the model dtype
+        o = kernels.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, starts, writes, skip)  # [T, Hv, Dv]
+        self.verified = None if writes else (mixed if inputs is None else inputs, k, v, g, beta, slots, has_state,
+                                              starts, skip)
         z = z.unflatten(-1, (self.num_value_heads, self.value_head_dim))  # [T, Hv, Dv], a view
         o = kernels.gated_rms_norm(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(tokens, self.value_dim)), residual
@@ -113,15 +121,15 @@ class GatedDeltaNet(nn.Module):
     def commit(self, counts: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """Fold into each sequence's state counts[b] rows of the last verify step: its first, or
         (`skip`) those after its first skip[b] rows, folded in by the call before."""
-        if self._verified is None:
+        if self.verified is None:
             return
-        mixed, k, v, g, beta, slots, has_state, starts = self._verified
-        if skip is not None:  # (a sequence's end bound moves too: counts[b] still bounds its rows)
-            starts = starts + torch.nn.functional.pad(skip, (0, 1))
+        mixed, k, v, g, beta, slots, has_state, starts, padding = self.verified
+        if skip is not None:  # the states hold the rows skipped
             has_state = has_state | (skip > 0)
+            padding = skip if padding is None else padding + skip
         conv_state, state = self.ctx.recurrent.layer(self.index)
-        kernels.conv_advance(mixed, conv_state, slots, starts, counts, has_state)
-        kernels.gated_delta_advance(k, v, g, beta, state, slots, starts, counts, has_state)
+        kernels.conv_advance(mixed, conv_state, slots, starts, counts, has_state, padding)
+        kernels.gated_delta_advance(k, v, g, beta, state, slots, starts, counts, has_state, padding)
 
 
 class InterleavedGatedDeltaNet(GatedDeltaNet):
