@@ -42,7 +42,7 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.budget import device_memory, workspace_bytes
-from hibana_core.kv.recurrent import RecurrentSlots
+from hibana_core.kv.recurrent import MIN_STATE_SLOTS, STATE_SHARE, RecurrentSlots
 from hibana_core.kv.recurrent_cache import RecurrentCache
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.layout import KVLayout
@@ -455,14 +455,15 @@ class Engine:
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
             max_batched_tokens=sched.max_num_batched_tokens, max_agents=sched.max_concurrent_agents,
             dtype_bytes=self.dtype.itemsize, draft_rows=self.config.speculation.draft_rows(sched.max_concurrent_agents),
-            **_moe_shape(self.hf_config)) + rotary_bytes(self.model) + (self._recurrent_slots() + 1) * \
-            RecurrentCache.slot_bytes(getattr(self.model, "recurrent_shapes", []), self.dtype)
+            **_moe_shape(self.hf_config)) + rotary_bytes(self.model)
         """What a step may allocate besides weights and KV (an estimate, kv/budget.py), the rotary
-        tables the first step builds, and a hybrid model's recurrent cache (`_recurrent_slots`)."""
+        tables the first step builds, and a hybrid model's recurrent cache (`_size_states`)."""
         self.memory_budget = None
         """The budget in bytes (None: none given; `num_blocks` or the default sizing)."""
         self.draft_reserve = None
+        self.state_slots = 0
         if cache.num_blocks is not None:  # blocks of every layer: the layout's pages of those bytes
+            self._size_states(None)
             layout = self.kv_layout
             return -(-cache.num_blocks * layout.num_layers // layout.page_layers) + layout.windowed
         if cache.memory_budget is not None:
@@ -470,8 +471,10 @@ class Engine:
         if self.device.type == "cuda":  # a fraction of what is free, never the workspace's share
             free = self.device_memory.free
             kv_bytes = min(int(free * cache.memory_fraction), free - self.workspace_bytes)
+            kv_bytes -= self._size_states(kv_bytes)
         else:
             kv_bytes = min(cache.max_kv_bytes_cpu, int(self.device_memory.free * cache.memory_fraction))
+            kv_bytes -= self._size_states(kv_bytes)
             # on the CPU, never more than every admitted agent at full context (zeroed RAM is slow)
             full = sched.max_concurrent_agents * -(-self.max_model_len // cache.block_size) \
                 * len(self.kv_layout.groups)
@@ -486,18 +489,29 @@ class Engine:
                 "block_size, free memory, or set memory_budget / kv_device_blocks")
         return kv_bytes // per_block
 
-    def _recurrent_slots(self) -> int:
-        """Slots of a hybrid model's recurrent cache: each running agent's state and as many more
-        (idle agents' states, snapshots), 0 for other models."""
-        if not getattr(self.model, "recurrent_shapes", None):
+    def _size_states(self, agent_bytes: int | None) -> int:
+        """Slots of a hybrid model's recurrent cache (`state_slots`; 0 for other models): each
+        running agent's state and as many more (idle agents' states, their snapshots, published
+        prefixes), 2 x max_concurrent_agents + 2, within `STATE_SHARE` of `agent_bytes`, the memory
+        left for agents (KV and states; None: not known, a KV cache sized in blocks), but never
+        fewer than `MIN_STATE_SLOTS`. Returns their bytes with the scratch slot, which join the
+        workspace. (A Qwen3.5-27B state is 151 MB: 130 slots would take 20 GB.)"""
+        shapes = getattr(self.model, "recurrent_shapes", None)
+        if not shapes:
             return 0
-        return 2 * self.config.scheduler.max_concurrent_agents + 2
+        slot = RecurrentCache.slot_bytes(shapes, self.dtype)
+        slots = 2 * self.config.scheduler.max_concurrent_agents + 2
+        if agent_bytes is not None:
+            slots = min(slots, max(MIN_STATE_SLOTS, int(agent_bytes * STATE_SHARE) // slot - 1))
+        self.state_slots = slots
+        self.workspace_bytes += (slots + 1) * slot
+        return (slots + 1) * slot
 
     def _recurrent_cache(self) -> RecurrentSlots | None:
         shapes = getattr(self.model, "recurrent_shapes", None)
         if not shapes:
             return None
-        cache = RecurrentCache(shapes, self._recurrent_slots(), self.dtype, self.device)
+        cache = RecurrentCache(shapes, self.state_slots, self.dtype, self.device)
         self._ctx.recurrent = cache
         return RecurrentSlots(cache.num_slots, cache.copy)
 
@@ -528,15 +542,18 @@ class Engine:
         draft_bytes = reserve.weight_bytes if reserve else 0
         draft_least = reserve.least_kv_bytes if reserve else 0
         draft_share = reserve.share if reserve else 0.0
-        fixed = weight_bytes + self.workspace_bytes + draft_bytes
         host_bytes = (self.config.cache.host_kv_bytes or 0) if memory.unified else 0
-        fixed += host_bytes  # on unified memory a host tier asked for lives in the same memory
+        fixed = weight_bytes + self.workspace_bytes + draft_bytes + host_bytes  # (a host tier on unified
+        self._size_states(budget - fixed)                                      # memory: the same memory)
+        fixed = weight_bytes + self.workspace_bytes + draft_bytes + host_bytes  # the states' slots now in it
         # the drafter's KV is max(share x the target's, least): kv + that fits what is left
         left = budget - fixed
         kv_bytes = int(min(left / (1 + draft_share), left - draft_least))
         pages = self._least_pages()
         if kv_bytes < pages * per_block:
             parts = f"weights {weight_bytes:,}, workspace {self.workspace_bytes:,}"
+            if self.state_slots:
+                parts += f" (the {self.state_slots + 1} slots of linear-attention states among it)"
             if host_bytes:
                 parts += f", the host tier's host_kv_bytes {host_bytes:,} (the same memory here)"
             if draft_bytes or draft_least:

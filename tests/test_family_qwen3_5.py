@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hibana_core import SamplingParams
+from hibana_core.errors import MemoryBudgetError
 from hibana_core.kv.recurrent import SNAPSHOTS
 from test_speculation import mixed_batch
 from tiny_models import (EVERY_TENSOR_USED, VOCAB_SIZE, assert_greedy_matches, greedy_turns_at_once, hf_greedy,
@@ -179,6 +180,36 @@ def test_snapshots_are_bounded_and_their_slots_reused(qwen35, make_engine):
     assert recurrent["bytes"] == (recurrent["slots"] + 1) * recurrent["slot_bytes"] > 0
     h.close()
     assert engine.recurrent_slots.num_free == free  # every slot back
+
+
+def test_state_slots_are_sized_within_the_memory_budget(qwen35, make_engine):
+    """The recurrent cache takes 2 x max_concurrent_agents + 2 slots where memory allows, else at
+    most half of what the budget leaves for agents (a real Qwen3.5's state is 62-151 MB: 130 of
+    them do not fit a small GPU), never fewer than MIN_STATE_SLOTS; agents beyond the slots wait
+    for one, and every output is transformers'."""
+    from hibana_core.kv.recurrent import MIN_STATE_SLOTS
+
+    roomy = make_engine(qwen35, speculation="off", num_blocks=None, memory_budget="1GB")
+    recurrent = roomy.memory()["device"]["recurrent"]
+    slot, others = recurrent["slot_bytes"], roomy.workspace_bytes - (recurrent["slots"] + 1) * recurrent["slot_bytes"]
+    assert recurrent["slots"] == 2 * roomy.config.scheduler.max_concurrent_agents + 2
+    roomy.close()
+    budget = roomy.weight_bytes + others + 40 * slot  # 40 slots' bytes for agents: states get 20
+    engine = make_engine(qwen35, speculation="off", num_blocks=None, memory_budget=budget)
+    memory = engine.memory()["device"]
+    assert memory["recurrent"]["slots"] == 19 and memory["recurrent"]["bytes"] == 20 * slot
+    assert memory["weights"] + memory["workspace_estimate"] + memory["kv_pool"] <= budget
+    tight = roomy.weight_bytes + others + (MIN_STATE_SLOTS + 1) * slot
+    with pytest.raises(MemoryBudgetError):  # the fewest slots fit, two KV blocks beside them do not
+        make_engine(qwen35, speculation="off", num_blocks=None, memory_budget=tight)
+    small = make_engine(qwen35, speculation="off", num_blocks=None,
+                        memory_budget=roomy.weight_bytes + others + 2 * (MIN_STATE_SLOTS + 1) * slot - 1)
+    assert small.memory()["device"]["recurrent"]["slots"] == MIN_STATE_SLOTS
+    rng = random.Random(3620)
+    plans = [[(random_tokens(rng, 30), 6), (random_tokens(rng, 8), 6)] for _ in range(6)]  # more agents than slots
+    for turns in greedy_turns_at_once(small, "few", plans):
+        for history, completion in turns:
+            assert_greedy_matches(qwen35, history, completion.token_ids)
 
 
 def test_a_fork_continues_from_a_copy_of_the_state(qwen35, make_engine):

@@ -36,6 +36,12 @@ from typing import Callable, Hashable
 
 SNAPSHOTS = 2
 """Snapshots an agent's state keeps (the ends of its last prompts), oldest dropped first."""
+STATE_SHARE = 0.5
+"""The most of the memory left for agents (their KV and states) that the states' slots take
+(`Engine._size_states`): a hybrid model's KV is a few layers' (Qwen3.5: one in four), its states
+each a fixed size whatever the history (Qwen3.5-35B-A3B: 62 MB, Qwen3.5-27B: 151 MB)."""
+MIN_STATE_SLOTS = 4
+"""The fewest slots a recurrent cache has: two running agents, or one with its snapshots."""
 SHARE_STRIDE = 512
 """Tokens between the published states of a prefill (`RecurrentSlots.publish`): a prompt's
 chunks end at its multiples, and another agent whose history starts alike continues from the
