@@ -43,7 +43,7 @@ from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.budget import device_memory, workspace_bytes
 from hibana_core.kv.recurrent import MIN_STATE_SLOTS, STATE_SHARE, RecurrentSlots
-from hibana_core.kv.recurrent_cache import RecurrentCache
+from hibana_core.kv.recurrent_cache import RecurrentCache, VerifyStash
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import LongRope
@@ -55,7 +55,7 @@ from hibana_core.models.decoder import kv_layers, longrope_switch, rotary_bytes,
 from hibana_core.output import OutputProcessor
 from hibana_core.progress import LoadProgress
 from hibana_core.registry import ModelLimits, StateRegistry
-from hibana_core.runner import ModelRunner
+from hibana_core.runner import DecodeGraphs, ModelRunner
 from hibana_core.sampler import Sampler
 from hibana_core.kv.tiers import HostTier, default_host_budget
 from hibana_core.kv.transfers import CopyStream
@@ -494,8 +494,9 @@ class Engine:
         running agent's state and as many more (idle agents' states, their snapshots, published
         prefixes), 2 x max_concurrent_agents + 2, within `STATE_SHARE` of `agent_bytes`, the memory
         left for agents (KV and states; None: not known, a KV cache sized in blocks), but never
-        fewer than `MIN_STATE_SLOTS`. Returns their bytes with the scratch slot, which join the
-        workspace. (A Qwen3.5-27B state is 151 MB: 130 slots would take 20 GB.)"""
+        fewer than `MIN_STATE_SLOTS`. Returns their bytes with the scratch slot's (and on a GPU the
+        verify graphs' stash), which join the workspace. (A Qwen3.5-27B state is 151 MB: 130 slots
+        would take 20 GB.)"""
         shapes = getattr(self.model, "recurrent_shapes", None)
         if not shapes:
             return 0
@@ -504,8 +505,12 @@ class Engine:
         if agent_bytes is not None:
             slots = min(slots, max(MIN_STATE_SLOTS, int(agent_bytes * STATE_SHARE) // slot - 1))
         self.state_slots = slots
-        self.workspace_bytes += (slots + 1) * slot
-        return (slots + 1) * slot
+        taken = (slots + 1) * slot
+        if self.device.type == "cuda" and self.config.cuda_graphs:  # and the verify graphs' stash
+            taken += DecodeGraphs.stash_rows(self.config.scheduler.max_concurrent_agents, shapes, self.dtype) \
+                * VerifyStash.row_bytes(shapes, self.dtype)
+        self.workspace_bytes += taken
+        return taken
 
     def _recurrent_cache(self) -> RecurrentSlots | None:
         shapes = getattr(self.model, "recurrent_shapes", None)

@@ -493,9 +493,7 @@ class DecodeGraphs:
         # alive after the engine closed until the garbage collector ran (a second engine on the
         # GPU meanwhile found its memory taken: qwen3-30b-a3b ran out of it loading)
         self.runner = weakref.proxy(runner)
-        self.buckets = [b for b in _BUCKETS if b <= max(1, max_batch)]
-        if self.buckets[-1] < max_batch and max_batch <= _BUCKETS[-1]:
-            self.buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])
+        self.buckets = self.buckets_for(max_batch)
         self.max_blocks = -(-runner.max_model_len // runner.ctx.kv_cache.block_size)
         self.spans = sorted({s for s in self.SPANS if s < runner.max_model_len} | {runner.max_model_len})
         groups = len(runner.ctx.kv_cache.layout.groups)
@@ -522,9 +520,23 @@ class DecodeGraphs:
         self.state_skip = torch.zeros(n, dtype=torch.int32, device=dev) if self.hybrid else None
         self.stash = None
         if self.hybrid:
-            rows = min(n * q, self.STASH_BYTES // VerifyStash.row_bytes(recurrent.shapes, recurrent.dtype))
-            self.stash = VerifyStash(recurrent.shapes, rows, recurrent.dtype, dev)
+            self.stash = VerifyStash(recurrent.shapes, self.stash_rows(max_batch, recurrent.shapes, recurrent.dtype),
+                                     recurrent.dtype, dev)
         self.verified: dict[tuple[int, int, int], list] = {}
+
+    @staticmethod
+    def buckets_for(max_batch: int) -> list[int]:
+        """The batch-size buckets of graphs for up to max_batch sequences."""
+        buckets = [b for b in _BUCKETS if b <= max(1, max_batch)]
+        if buckets[-1] < max_batch and max_batch <= _BUCKETS[-1]:
+            buckets.append(_BUCKETS[bisect.bisect_left(_BUCKETS, max_batch)])
+        return buckets
+
+    @classmethod
+    def stash_rows(cls, max_batch: int, shapes: list, dtype: torch.dtype) -> int:
+        """Rows of a hybrid model's verify stash: the largest verify graph's, within `STASH_BYTES`."""
+        return min(cls.buckets_for(max_batch)[-1] * cls.QUERY_LENS[-1],
+                   cls.STASH_BYTES // VerifyStash.row_bytes(shapes, dtype))
 
     def fits(self, data: StepData, num_sampling: int) -> bool:
         """Every sequence samples (once, or after each draft) and has at most the largest query
