@@ -462,10 +462,10 @@ class DecodeGraphs:
     Padding sequences write nowhere either. A hybrid model's linear-attention layers leave the
     padding rows out (`ForwardBatch.state_skip`: a state folds in every row it runs) and their
     verify graphs keep what the commit of the kept rows reads in a static `VerifyStash` (of
-    `STASH_BYTES` at most: steps of more rows run eagerly). Inputs live in static buffers. Attention is captured
-    with max_seq_len = a span (`SPANS`, then the engine's max_model_len) at least the step's
-    longest sequence, which the kernels allow (bounds may overstate): one graph per span serves
-    every context length up to it.
+    `STASH_BYTES` at most: steps of more rows run eagerly). Inputs live in static buffers.
+    Attention is captured with max_seq_len = a span (`SPANS`, then the engine's max_model_len) at
+    least the step's longest sequence, which the kernels allow (bounds may overstate): one graph
+    per span serves every context length up to it.
 
         query_len 5:   seq 0 (2 new):  pad pad pad | t  d          (rows i * 5 ... i * 5 + 4)
                        seq 1 (5 new):  t   d   d   d  d
@@ -729,7 +729,8 @@ class DecodeGraphs:
         size = bucket * q
         recurrent = {}
         if self.hybrid:  # decode graphs write the states; verify graphs leave them to the commit
-            recurrent = dict(state_slots=self.state_slots[:bucket], has_state=self.has_state[:bucket], writes_state=q == 1)
+            recurrent = dict(state_slots=self.state_slots[:bucket], has_state=self.has_state[:bucket],
+                             writes_state=q == 1)
             if q > 1:
                 recurrent.update(state_skip=self.state_skip[:bucket], state_stash=self.stash)
         batch = ForwardBatch(self.slot_mapping[:, :size], self.block_tables[:, :bucket],
