@@ -75,11 +75,13 @@ def thinned(argnames, keep, *axes):
     tuples of several, or of pytest.params (several values under one id); a combination whose
     indices along the axes `keep` rejects is marked slow. The interpreter runs each program in
     Python: the default run takes the kept subset (each use says what it still covers), and
-    `-m slow` the rest of the product."""
+    `-m slow` the rest of the product; compiled on a GPU every case runs (`-m "not slow or thinned"`,
+    bench/run_h200.sh's kernel_pytest)."""
     names = [name.strip() for name in argnames.split(",")]
     params = []
     for combo in itertools.product(*(list(enumerate(axis)) for axis in axes)):
-        values, ids, marks = [], [], [] if keep(*(index for index, _ in combo)) else [pytest.mark.slow]
+        values, ids, marks = [], [], [] if keep(*(index for index, _ in combo)) else [pytest.mark.slow,
+                                                                                     pytest.mark.thinned]
         for index, value in combo:
             if isinstance(value, type(pytest.param(None))):
                 values += value.values
