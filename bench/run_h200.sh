@@ -67,6 +67,7 @@
 #                                        # memory and from disk, against raw H2D / file-read bandwidth and re-prefill
 #   bash bench/run_h200.sh draft_cost    # bench/draft_cost.py: the draft-model drafter's cost per drafted token
 #   bash bench/run_h200.sh spec_decode   # trace-driven batch-1 decode, coding and demo traces, speculation off/k4/adaptive
+#                                        # (SPEC_MODEL: another preset, e.g. qwen3.5-35b-a3b: a hybrid's verify graphs)
 #   bash bench/run_h200.sh spec_agents   # trace-driven agents on the coding trace: 32 agents (off/k4/adaptive),
 #                                        # then off vs adaptive at 1, 8 and 64 agents (AGENTS="64": only those)
 #   bash bench/run_h200.sh grammar  # issue 15: xgrammar against llguidance on the host's CPU, then constrained
@@ -330,8 +331,8 @@ case "${1:-check}" in
   spec_decode)
     for spec in ${SPEC_TRACES:-coding:2 demo:8}; do  # trace:conversations
       set -- "${spec%:*}" "${spec#*:}"
-      python3 -m hibana_bench.cli decode --model qwen3-8b --trace "$1" --conversations "$2" ${BENCH_ARGS:-} \
-        --json "$OUT/spec_decode_$1.json" 2>&1 | tee "$OUT/spec_decode_$1.txt"
+      python3 -m hibana_bench.cli decode --model "${SPEC_MODEL:-qwen3-8b}" --trace "$1" --conversations "$2" \
+        ${BENCH_ARGS:-} --json "$OUT/spec_decode_$1.json" 2>&1 | tee "$OUT/spec_decode_$1.txt"
     done ;;
   spec_agents)
     if [ -z "${AGENTS:-}" ]; then
