@@ -518,10 +518,8 @@ class DecodeGraphs:
         self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=dev) if self.hybrid else None
         self.has_state = torch.zeros(n, dtype=torch.bool, device=dev) if self.hybrid else None
         self.state_skip = torch.zeros(n, dtype=torch.int32, device=dev) if self.hybrid else None
-        self.stash = None
-        if self.hybrid:
-            self.stash = VerifyStash(recurrent.shapes, self.stash_rows(max_batch, recurrent.shapes, recurrent.dtype),
-                                     recurrent.dtype, dev)
+        self.verify_rows = self.stash_rows(max_batch, recurrent.shapes, recurrent.dtype) if self.hybrid else 0
+        self._stash: VerifyStash | None = None  # made at the first verify graph (a draft model's graphs have none)
         self.verified: dict[tuple[int, int, int], list] = {}
 
     @staticmethod
@@ -557,7 +555,7 @@ class DecodeGraphs:
         """Whether a hybrid model's graph of this many sequences and rows each fits the verify stash
         (a decode graph does: it keeps nothing there)."""
         i = bisect.bisect_left(self.buckets, sequences)
-        return query_len == 1 or (i < len(self.buckets) and self.buckets[i] * query_len <= self.stash.rows)
+        return query_len == 1 or (i < len(self.buckets) and self.buckets[i] * query_len <= self.verify_rows)
 
     @staticmethod
     def _samples_every_chunk(data: StepData) -> bool:
@@ -741,6 +739,14 @@ class DecodeGraphs:
         with self.runner.ctx.forward_batch(batch):
             hidden = model(self.input_ids[:size], self.positions[:size])
         return model.compute_logits(hidden)
+
+    @property
+    def stash(self) -> VerifyStash:
+        """The verify graphs' stash (`verify_rows` rows), made at first use."""
+        if self._stash is None:
+            recurrent = self.runner.ctx.recurrent
+            self._stash = VerifyStash(recurrent.shapes, self.verify_rows, recurrent.dtype, self.state_slots.device)
+        return self._stash
 
     def _forget(self, graph: torch.cuda.CUDAGraph) -> None:
         """After a failed capture: when ending the capture raised (an invalidated capture),
