@@ -329,13 +329,86 @@ def test_weight_surgery_on_a_hybrid_model_is_guarded_and_matches_its_own_greedy(
     assert len(out) == 8
 
 
-@pytest.mark.parametrize("method", ["layer_skip", "draft_model"])
-def test_drafts_from_a_hybrid_model_are_refused_clearly(qwen35, make_engine, method):
+def test_layer_skip_of_a_hybrid_model_is_refused_clearly(qwen35, make_engine):
     from hibana_core.errors import ConfigError
 
-    spec = {"method": method, **({"draft_model": str(qwen35)} if method == "draft_model" else {})}
     with pytest.raises(ConfigError, match="linear-attention"):
-        make_engine(qwen35, speculation=spec)
+        make_engine(qwen35, speculation={"method": "layer_skip"})
+
+
+def hybrid_drafter(engine):
+    return engine.core.speculation.drafter("draft_model")
+
+
+def test_a_hybrid_draft_model_drafts_for_a_hybrid_target(qwen35, make_engine):
+    """A Qwen3.5 target drafted for by a Qwen3.5 draft model (the only kind sharing its tokenizer):
+    here the target itself, so every draft is kept. Three agents at once, three turns each with
+    retention, async scheduling: transformers' tokens. The draft model's live states stop a token
+    short of each history and the drafting steps run on copies (scratch slots), so its states
+    follow the histories without recomputing them, and no scratch slot is left taken."""
+    engine = make_engine(qwen35, speculation={"method": "draft_model", "draft_model": str(qwen35), "k": 4},
+                         async_scheduling=True)
+    rng = random.Random(3630)
+    plans = [[(random_tokens(rng, 40), 10), (random_tokens(rng, 12), 10), (random_tokens(rng, 6), 10)]
+             for _ in range(3)]
+    for turns in greedy_turns_at_once(engine, "hd", plans):
+        for history, completion in turns:
+            assert_greedy_matches(qwen35, history, completion.token_ids)
+    stats, drafter = engine.stats(), hybrid_drafter(engine)
+    assert stats.draft_tokens_accepted >= 0.9 * stats.draft_tokens_proposed > 0
+    every = sum(len(new) + n for plan in plans for new, n in plan)  # all three agents' final histories
+    assert drafter.summary()["tokens_prefilled"] <= every  # each history token caught up with once
+    live = [e.seq.recurrent for e in drafter._states.values()]
+    assert len(live) == 3 and all(r.slot is not None and r.position == e.seq.num_computed
+                                  for r, e in zip(live, drafter._states.values()))
+    taken = sum(r.num_slots for r in live)
+    assert drafter.states.num_free == drafter.states.num_slots - taken  # no scratch slot left taken
+
+
+def test_a_hybrid_draft_model_follows_cut_and_re_rendered_histories(qwen35, tmp_path, make_engine):
+    """Another seed's Qwen3.5 drafts (mostly rejected) for a Qwen3.5 target; the history is cut
+    back (truncate) and re-rendered inside the reply: the draft model's state goes back to the
+    snapshot at the last prompt's end (or the start) and catches up; output as transformers'."""
+    other = make_tiny_checkpoint("qwen3_5", tmp_path / "other", seed=4242)
+    engine = make_engine(qwen35, speculation={"method": "draft_model", "draft_model": str(other), "k": 3})
+    rng = random.Random(3640)
+    h = engine.open_state("cut")
+    prompt = random_tokens(rng, 50)
+    reply = list(h.generate(greedy(12), prompt=prompt).token_ids)
+    assert_greedy_matches(qwen35, prompt, reply)
+    drafter = hybrid_drafter(engine)
+    (entry,) = drafter._states.values()
+    assert [p for p, _ in entry.seq.recurrent.snapshots] == [len(prompt) - 1]  # the new prompt's end, less one
+    edited = prompt + reply[:4] + random_tokens(rng, 7)  # re-rendered: diverges inside the reply
+    before = drafter.summary()["tokens_prefilled"]
+    out = list(h.generate(greedy(8), prompt=edited).token_ids)
+    assert_greedy_matches(qwen35, edited, out)
+    # from the snapshot: the edited tail and the turn's own tokens (from the start: more than the prompt)
+    assert drafter.summary()["tokens_prefilled"] - before <= len(edited) - (len(prompt) - 1) + 2 * 8
+    h.truncate(20)  # before every snapshot: from the start
+    more = list(h.generate(greedy(6)).token_ids)
+    assert_greedy_matches(qwen35, edited[:20], more)
+    assert engine.stats().draft_tokens_proposed > 0
+
+
+def test_a_hybrid_draft_model_under_slot_pressure_evicts_idle_states(qwen35, tiny_checkpoints, make_engine):
+    """A hybrid draft model with few state slots (one running agent's): idle agents' draft states
+    are dropped least recently used first and recomputed when they return; a non-hybrid target
+    (tiny qwen3, the same tokenizer) takes the hybrid's drafts as any; output as transformers'."""
+    target = tiny_checkpoints["qwen3"]
+    engine = make_engine(target, speculation={"method": "draft_model", "draft_model": str(qwen35), "k": 2},
+                         max_concurrent_agents=1)
+    drafter = hybrid_drafter(engine)
+    assert drafter.states.num_slots == 2 * 1 + 1  # live and scratch of the one running agent, one more
+    rng = random.Random(3650)
+    histories = [random_tokens(rng, 25) for _ in range(4)]
+    for round_ in range(2):
+        for i, history in enumerate(histories):
+            h = engine.open_state(f"p{i}")
+            out = list(h.generate(greedy(6), prompt=history).token_ids)
+            assert_greedy_matches(target, history, out)
+            histories[i] = history + out + random_tokens(rng, 3)
+    assert drafter.summary()["evictions"] > 0 and engine.stats().draft_tokens_proposed > 0
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "ct-block"])

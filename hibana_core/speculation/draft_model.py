@@ -11,6 +11,13 @@
                 host sync until the end); states wanting fewer drafts leave early (sorted by k)
       trim      one read-back of all drafts; the draft KV keeps the history only
 
+A hybrid draft model (Qwen3.5's small ones for a Qwen3.5 target: the only checkpoints that share
+its tokenizer) keeps each state's linear-attention state in a slot of its own recurrent cache,
+valid at the history's end but one: catching up stops a token short, each drafting state's slot is
+copied to a scratch slot, and the last history token and the drafts run there (the live state
+never takes in a draft, and no history token is computed twice). Idle states give their slots
+back least recently used first, as their KV.
+
 Each draft is the draft model's argmax, or, for a request that samples without a seed or history
 penalties (`samples_drafts`), a draw from the draft model's distribution q under the request's
 temperature, top-k, top-p and min-p, returned with q (`SampledDraft`). A chosen draft is kept
@@ -40,10 +47,12 @@ from hibana_core.errors import ConfigError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
+from hibana_core.kv.recurrent import MIN_STATE_SLOTS, STATE_SHARE, RecurrentSlots, RecurrentState
+from hibana_core.kv.recurrent_cache import RecurrentCache
 from hibana_core.kv.sequence import KVSequence, LongRope
 from hibana_core.kv.transfers import device_tensor
 from hibana_core.loader import LoadedModel, load_model, model_bytes
-from hibana_core.models.decoder import longrope_switch, rotary_bytes, rotary_positions, size_rotary
+from hibana_core.models.decoder import kv_layers, longrope_switch, rotary_bytes, rotary_positions, size_rotary
 from hibana_core.runner import DeviceInput, ModelRunner, StepData
 from hibana_core.sampler import apply_logit_bias, apply_warpers, draw, make_generator
 from hibana_core.speculation.drafters import DraftInput, SampledDraft, samples_drafts
@@ -78,6 +87,7 @@ class _Work:
     end: int          # history length
     request: SamplingParams | None = None  # the request's own: its logit_bias moves every draft
     draw: bool = True                      # drafts drawn from q (False: q's argmax)
+    scratch: int = -1                      # a hybrid draft model's: the slot the drafting steps run in
 
     @property
     def params(self) -> SamplingParams | None:
@@ -111,6 +121,12 @@ def check_same_tokenizer(engine: Any, draft: LoadedModel, path: str) -> None:
     raise ConfigError(f"draft model {path!r} does not share the tokenizer of the target "
                       f"{engine.config.model!r}: {detail}; pick a draft checkpoint of the target's family")
 
+
+SNAPSHOT_AFTER = 32
+"""A hybrid draft model's state is snapshotted after a call that caught up more tokens than
+this: a new prompt (tool output, a user turn), where generation appends a few tokens a call. A
+chat template that re-renders the last reply then costs the tokens after the prompt's end only
+(`RecurrentState.rewind`), as for the target's state."""
 
 DRAFT_KV_SHARE = 0.25
 """A draft model's KV bytes as a share of the target's (the memory budget counts them)."""
@@ -149,7 +165,7 @@ def draft_reserve(engine: Any, kv_dtype: torch.dtype) -> DraftReserve | None:
         from hibana_core.loader import planned_model
 
         weights, args = planned_model(spec.draft_model, engine.dtype, engine.max_model_len)  # (as it drafts)
-        layers, kv_dtype = args.num_layers, engine.dtype
+        layers, kv_dtype = kv_layers(args), engine.dtype  # (a hybrid's attention layers)
     else:
         from hibana_core.surgery.layer_skip import DEFAULT_KEEP, kept_count
 
@@ -209,11 +225,6 @@ class DraftModelDrafter:
             loaded = load_model(self.path, engine.device, str(engine.dtype).removeprefix("torch."), self.ctx,
                                 engine.config.progress)
             check_same_tokenizer(engine, loaded, self.path)
-            if getattr(loaded.model, "recurrent_shapes", None):
-                raise ConfigError(f"draft model {self.path} is a hybrid model (linear-attention layers, "
-                                  f"{loaded.args.model_type}); a draft model keeps KV pages alone: pick one without "
-                                  "linear-attention layers that shares the tokenizer (a small Qwen3 for a Qwen3.5 "
-                                  "target), or speculation='adaptive'")
             # its rotary tables as long as it drafts (the layer-skip draft shares the target's, sized already)
             size_rotary(loaded.model, rotary_positions(min(engine.max_model_len, loaded.args.max_position_embeddings),
                                                        loaded.args))
@@ -231,21 +242,22 @@ class DraftModelDrafter:
                           LongRope(switch, rotary_positions(self.max_len, loaded.args), loaded.args.longrope_recompute))
         """The draft model's own LongRoPE: its states hold the rotation their target's state holds
         (a history past the switch rotated per position drafts what a long-rotated target would not)."""
-        a, bs = loaded.args, engine.config.cache.block_size
+        a, bs, sched = loaded.args, engine.config.cache.block_size, engine.config.scheduler
         kv_dtype = kv_cache_dtype(loaded.model, loaded.dtype)  # fp8 for layer-skip on a kv8 target
-        per_block = KVCache.bytes_per_block(a.num_layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
+        layers = kv_layers(a)  # (a hybrid's attention layers)
+        per_block = KVCache.bytes_per_block(layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
+        agent_bytes = int(kv_share * engine.kv_cache.nbytes)  # its KV, and a hybrid's states in part of it
+        self.states = self._recurrent_cache(loaded, agent_bytes, sched.max_concurrent_agents, engine.device)
         if num_blocks is None:
-            share = int(kv_share * engine.kv_cache.nbytes) // per_block
+            share = (agent_bytes - (0 if self.states is None else self.ctx.recurrent.nbytes)) // per_block
             num_blocks = min(engine.pool.num_blocks, max(share, least_blocks(self.max_len, bs)))
         try:
-            self.kv_cache = KVCache(a.num_layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype,
-                                    engine.device)
+            self.kv_cache = KVCache(layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, engine.device)
         except (RuntimeError, MemoryError) as exc:
             raise MemoryBudgetError(f"cannot allocate the draft model's {num_blocks:,} KV blocks "
                                     f"({num_blocks * per_block:,} bytes) on {engine.device}: {exc}") from None
         self.ctx.kv_cache = self.kv_cache
         self.pool = BlockPool(num_blocks, bs)
-        sched = engine.config.scheduler
         self.runner: ModelRunner | None = ModelRunner(loaded.model, self.ctx, None, engine.device, self.max_len,
                                                       sched.max_concurrent_agents, engine.config.cuda_graphs)
         self.device = engine.device
@@ -254,6 +266,23 @@ class DraftModelDrafter:
         self._dead: list[tuple[int, weakref.ref]] = []  # states collected since the last call
         self.generator = make_generator(engine.config.seed + 1, engine.device)  # drawn drafts' noise
         self.counters = DraftCounters()
+
+    def _recurrent_cache(self, loaded: LoadedModel, agent_bytes: int, max_agents: int,
+                         device: torch.device) -> RecurrentSlots | None:
+        """A hybrid draft model's state slots (None for others): a live one per state it follows
+        and a scratch one per state drafting in a call, 2 x max_agents + 1 where `STATE_SHARE` of
+        agent_bytes (its share of the memory) holds them, at least `MIN_STATE_SLOTS`."""
+        shapes = getattr(loaded.model, "recurrent_shapes", None)
+        if not shapes:
+            return None
+        slot = RecurrentCache.slot_bytes(shapes, loaded.dtype)
+        slots = min(2 * max_agents + 1, max(MIN_STATE_SLOTS, int(agent_bytes * STATE_SHARE) // slot - 1))
+        try:
+            self.ctx.recurrent = RecurrentCache(shapes, slots, loaded.dtype, device)
+        except (RuntimeError, MemoryError) as exc:
+            raise MemoryBudgetError(f"cannot allocate the draft model's {slots + 1} linear-attention state slots "
+                                    f"({(slots + 1) * slot:,} bytes) on {device}: {exc}") from None
+        return RecurrentSlots(slots, self.ctx.recurrent.copy)
 
     def propose(self, state: DraftInput, k: int) -> list[int]:
         return self.propose_many([state], [k])[0]
@@ -276,11 +305,18 @@ class DraftModelDrafter:
                 for w in work:  # its KV may be half written: recomputed next time
                     w.seq.release()
                 raise
+            finally:
+                for w in work:
+                    if w.scratch >= 0:
+                        self.states.free(w.scratch)
             for w, draft in zip(work, drafts):
                 out[w.index] = draft
-                w.seq.mark_computed(w.end - w.start)
+                held = self._held(w)
+                w.seq.mark_computed(held - w.start)
                 w.seq.commit_full_blocks()
-                w.seq.trim_kv(w.end)  # the drafts' KV goes; the next call starts from the history
+                w.seq.trim_kv(held)  # the drafts' KV goes; the next call starts from the history
+                if w.seq.recurrent is not None and held - w.start > SNAPSHOT_AFTER:
+                    w.seq.recurrent.snapshot()  # a new prompt's end: where a re-rendered history goes back to
         c = self.counters
         c.calls += 1
         c.tokens_drafted += sum(len(d) for d in out)
@@ -297,7 +333,8 @@ class DraftModelDrafter:
                 entry.seq.release()
             dead = self._dead  # the callback must not hold self
             ref = weakref.ref(state.key, lambda r, key=key: dead.append((key, r)))
-            seq = KVSequence(self.pool, self.kv_cache.copy_block, long_rope=self.long_rope)
+            seq = KVSequence(self.pool, self.kv_cache.copy_block, long_rope=self.long_rope,
+                             recurrent=None if self.states is None else RecurrentState(self.states))
             entry = self._states[key] = _Entry(ref, seq, -1)
         self._states.move_to_end(key)
         seq, tokens = entry.seq, state.tokens
@@ -341,23 +378,38 @@ class DraftModelDrafter:
             seq.prefer_index(end - 1)
             seq.reuse_cached_blocks(end - 1)
             writes = end - seq.num_computed + k - 1  # the tail and every draft but the last
-            if not self._room(seq.blocks_needed(writes), busy):
+            slots = 0 if seq.recurrent is None else (seq.recurrent.slot is None) + 1  # live, and scratch
+            if not self._room(seq.blocks_needed(writes), busy, slots):
                 seq.release()
                 self.counters.skipped += 1
                 continue
             seq.prepare_write(writes)
-            work.append(_Work(i, seq, k, seq.num_computed, end, states[i].params, states[i].draw))
+            scratch = -1
+            if seq.recurrent is not None:
+                seq.recurrent.ensure_slot()
+                scratch = self.states.allocate()
+            work.append(_Work(i, seq, k, seq.num_computed, end, states[i].params, states[i].draw, scratch))
         return work
 
-    def _room(self, blocks: int, busy: set[int]) -> bool:
-        """Whether `blocks` can be allocated, after dropping idle states' KV (LRU first)."""
+    def _room(self, blocks: int, busy: set[int], slots: int = 0) -> bool:
+        """Whether `blocks` can be allocated (and `slots` state slots taken), after dropping idle
+        states' KV and slots (LRU first)."""
+        def fits() -> bool:
+            return self.pool.can_allocate(blocks) and (not slots or self.states.num_free >= slots)
+
         for key, entry in self._states.items():
-            if self.pool.can_allocate(blocks):
+            if fits():
                 break
-            if key not in busy and entry.seq.num_blocks:
+            if key not in busy and (entry.seq.num_blocks or (entry.seq.recurrent and entry.seq.recurrent.num_slots)):
                 entry.seq.release()
                 self.counters.evictions += 1
-        return self.pool.can_allocate(blocks)
+        return fits()
+
+    def _held(self, w: _Work) -> int:
+        """Where a state's draft sequence stands after a call: its history's end, or for a hybrid
+        draft model one token short (its live state is there; the last token runs in the
+        drafting steps, on a copy)."""
+        return w.end - (self.states is not None)
 
     def _run(self, work: list[_Work]) -> list[list[int] | SampledDraft]:
         drafts = torch.zeros(len(work), work[0].k, dtype=torch.long, device=self.device)  # [S, k_max]
@@ -365,16 +417,13 @@ class DraftModelDrafter:
         # q of every drawn draft: [drawn states, k_max, vocab]
         probs = torch.empty(len(slots), work[0].k, self.vocab_size, device=self.device) if slots else None
         at = [w.start for w in work]
-        while any(a < w.end for a, w in zip(at, work)):  # catch up, chunked under the token budget
+        while any(a < self._held(w) for a, w in zip(at, work)):  # catch up, chunked under the token budget
             budget, parts, done = self.max_tokens, [], []  # done: (part row, state row)
             for j, w in enumerate(work):
-                take = min(w.end - at[j], budget)
+                take = min(self._held(w) - at[j], budget)
                 if take <= 0:
                     continue
-                ids = w.seq.tokens[at[j]:at[j] + take]
-                if self._cap is not None:
-                    ids = [min(t, self._cap) for t in ids]
-                parts.append((w.seq, at[j], at[j] + take, ids))
+                parts.append((w.seq, at[j], at[j] + take, self._ids(w.seq, at[j], at[j] + take), self._live(w)))
                 at[j] += take
                 budget -= take
                 if at[j] == w.end:
@@ -384,9 +433,14 @@ class DraftModelDrafter:
                 rows = device_tensor([r for r, _ in done], torch.long, self.device)
                 tokens = self._pick(logits.index_select(0, rows), [work[j] for _, j in done], probs, slots, 0)
                 drafts[device_tensor([j for _, j in done], torch.long, self.device), 0] = tokens
+        if self.states is not None:  # the drafting steps on a copy of each live state, the last token first
+            for w in work:
+                self.ctx.recurrent.copy(w.seq.recurrent.slot, w.scratch)
+            parts = [(w.seq, w.end - 1, w.end, self._ids(w.seq, w.end - 1, w.end), w.scratch) for w in work]
+            drafts[:, 0] = self._pick(self._forward(parts), work, probs, slots, 0)
         for step in range(1, work[0].k):  # decode: draft `step` in, draft `step + 1` out
             m = sum(w.k > step for w in work)
-            parts = [(w.seq, w.end + step - 1, w.end + step, None) for w in work[:m]]
+            parts = [(w.seq, w.end + step - 1, w.end + step, None, w.scratch) for w in work[:m]]
             logits = self._forward(parts, _OnDevice(drafts[:m, step - 1]))
             drafts[:m, step] = self._pick(logits, work[:m], probs, slots, step)
         host = drafts.tolist()  # the call's one host sync
@@ -416,13 +470,22 @@ class DraftModelDrafter:
         at = device_tensor(drawn, torch.long, self.device)
         return tokens.index_copy(0, rows.index_select(0, at), draw(q.index_select(0, at), self.generator)[:, 0])
 
-    def _forward(self, parts: list[tuple[KVSequence, int, int, list[int] | None]],
+    def _ids(self, seq: KVSequence, start: int, end: int) -> list[int]:
+        ids = seq.tokens[start:end]
+        return ids if self._cap is None else [min(t, self._cap) for t in ids]
+
+    @staticmethod
+    def _live(w: _Work) -> int:
+        """The slot a state's history runs in (a hybrid draft model's; -1 for others)."""
+        return -1 if w.seq.recurrent is None else w.seq.recurrent.slot
+
+    def _forward(self, parts: list[tuple[KVSequence, int, int, list[int] | None, int]],
                  previous: _OnDevice | None = None) -> torch.Tensor:
-        """One batched forward of `parts` (seq, first position, end, ids; None: one token per
-        part, from `previous`), writing their KV. Returns the logits after each part's last token
-        [S, vocab] (the ids both models know)."""
+        """One batched forward of `parts` (seq, first position, end, ids (None: one token per
+        part, from `previous`), a hybrid draft model's state slot), writing their KV (and states).
+        Returns the logits after each part's last token [S, vocab] (the ids both models know)."""
         ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
-        for seq, start, end, part_ids in parts:
+        for seq, start, end, part_ids, _ in parts:
             ids.extend(part_ids if part_ids is not None else [0])
             positions.extend(seq.rope_positions(start, end))  # LongRoPE: its long rows
             slots.extend(seq.slot(p) for p in range(start, end))
@@ -430,9 +493,11 @@ class DraftModelDrafter:
             starts.append(starts[-1] + end - start)
             tables.append(seq.block_ids)  # its cache has one layer group
         from_device = [DeviceInput(i, i) for i in range(len(parts))] if previous is not None else []
+        recurrent = {} if self.states is None else dict(state_slots=[p[4] for p in parts],
+                                                         has_state=[p[1] > 0 for p in parts])
         data = StepData(ids=ids, positions=positions, slots=[slots], seq_lens=seq_lens, starts=starts,
                         tables=[tables], logits_indices=[s - 1 for s in starts[1:]],
-                        max_query_len=max(e - s for _, s, e, _ in parts), from_device=from_device)
+                        max_query_len=max(e - s for _, s, e, *_ in parts), from_device=from_device, **recurrent)
         runner = self.runner
         self.counters.forwards += 1
         if runner.graphs is not None and runner.graphs.fits(data, len(parts)):
