@@ -575,6 +575,17 @@ def hybrid_speculation(arch: str, path: Path, prompts: list[list[int]], first: l
                same == len(prompts) and stats.draft_tokens_accepted > 0 and (verify_graphs > 0) == graphs,
                f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} drafts accepted "
                f"in {stats.verify_steps} verify steps; {verify_graphs} verify graphs")
+        # the hybrid as its own draft model: its states a token short of each history, the drafting
+        # steps on scratch copies (decode graphs of the draft's own), nearly every draft kept
+        spec = {"method": "draft_model", "draft_model": str(path), "k": 4}
+        with Engine.from_pretrained(path, **ON_GPU, dtype="float32", progress=False, cuda_graphs=graphs,
+                                    speculation=spec) as gpu:
+            got = batched_greedy(gpu, prompts, 32)
+            stats = gpu.stats()
+        same = sum(a == b for a, b in zip(got, want))
+        yield (f"hybrid draft model fp32 {arch} vs transformers ({where}) graphs={graphs}",
+               same == len(prompts) and stats.draft_tokens_accepted >= 0.9 * stats.draft_tokens_proposed > 0,
+               f"{same}/4 agents equal; {stats.draft_tokens_accepted}/{stats.draft_tokens_proposed} drafts accepted")
 
 
 def check_logprobs() -> Iterator[tuple[str, bool, str]]:
