@@ -76,6 +76,15 @@ class RecurrentCache:
             conv[dst].copy_(conv[src])
             ssm[dst].copy_(ssm[src])
 
+    def copy_many(self, src: list[int], dst: list[int]) -> None:
+        """Slots dst[i] := src[i], every layer, in two launches a layer whatever their count."""
+        if not src:
+            return
+        s, d = (torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True) for x in (src, dst))
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv.index_copy_(0, d, conv.index_select(0, s))
+            ssm.index_copy_(0, d, ssm.index_select(0, s))
+
     def slot_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The shapes and dtypes `read` gives (what a state file of this model holds)."""
         return {"conv": ((len(self.conv), *self.conv[0].shape[1:]), self.dtype),

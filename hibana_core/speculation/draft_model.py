@@ -434,8 +434,7 @@ class DraftModelDrafter:
                 tokens = self._pick(logits.index_select(0, rows), [work[j] for _, j in done], probs, slots, 0)
                 drafts[device_tensor([j for _, j in done], torch.long, self.device), 0] = tokens
         if self.states is not None:  # the drafting steps on a copy of each live state, the last token first
-            for w in work:
-                self.ctx.recurrent.copy(w.seq.recurrent.slot, w.scratch)
+            self.ctx.recurrent.copy_many([w.seq.recurrent.slot for w in work], [w.scratch for w in work])
             parts = [(w.seq, w.end - 1, w.end, self._ids(w.seq, w.end - 1, w.end), w.scratch) for w in work]
             drafts[:, 0] = self._pick(self._forward(parts), work, probs, slots, 0)
         for step in range(1, work[0].k):  # decode: draft `step` in, draft `step + 1` out
