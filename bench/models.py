@@ -54,6 +54,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                             linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                              "partial_rotary_factor": 0.25}),
+    # Qwen/Qwen3.5-27B's language model, dense: 16 x (3 Gated DeltaNet + 1 gated attention) layers; attention
+    # 24 q / 4 kv heads of 256, a quarter of each rotated; linear attention 16 q/k heads serving 48 v heads of 128
+    # (54 GB of bf16 weights: an H100 holds it)
+    "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                        tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
     # google/gemma-3-12b-it's text model: 5 sliding (window 1024, theta 1e4) : 1 global layer
     # (theta 1e6, linear factor 8)
     "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,

@@ -11,7 +11,8 @@
 #                                   # policy with kernels per step), then hibana bench decode of qwen3-0.6b and
 #                                   # qwen3-8b under fusion auto / on / off
 #   bash bench/run_h200.sh hybrid        # Qwen3.5: recurrent kernel tests on CUDA, tiny qwen3_5 / qwen3_5_moe vs
-#                                        # transformers on the GPU, qwen3.5-35b-a3b batch-1 decode (HYBRID_DECODE=0: not)
+#                                        # transformers on the GPU, qwen3.5-35b-a3b batch-1 decode (HYBRID_DECODE=0:
+#                                        # not; HYBRID_MODELS="qwen3.5-27b": the dense one, 54 GB, an H100's)
 #   bash bench/run_h200.sh families      # issue 18: batch-1 decode of the gemma3-12b, phi4-mini,
 #                                        # qwen3-30b-a3b and gpt-oss-20b presets (MODELS="phi4-mini": only
 #                                        # those; MODELS=gpt-oss-120b: its 65 GB of MXFP4 weights; a preset's
@@ -159,9 +160,10 @@ case "${1:-check}" in
     FAMILIES_ONLY=qwen3_5,qwen3_5_moe,qwen3_next python3 bench/gpu_correctness.py --only families 2>&1 \
       | tee "$OUT/gpu_correctness_hybrid.txt"
     if [ "${HYBRID_DECODE:-1}" = 1 ]; then
-      python3 -m hibana_bench.cli decode --model qwen3.5-35b-a3b --context 512,8192 --generate 128 \
-        --systems hibana_spec_off,hibana --json "$OUT/decode_qwen3.5-35b-a3b.json" 2>&1 \
-        | tee "$OUT/decode_qwen3.5-35b-a3b.txt"
+      for model in ${HYBRID_MODELS:-qwen3.5-35b-a3b}; do
+        python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 \
+          --systems hibana_spec_off,hibana --json "$OUT/decode_$model.json" 2>&1 | tee "$OUT/decode_$model.txt"
+      done
     fi ;;
   families)
     for model in ${MODELS:-gemma3-12b phi4-mini qwen3-30b-a3b gpt-oss-20b}; do
