@@ -339,13 +339,17 @@ def conv_advance(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor, query_start_loc: torch.Tensor,
-                     write: bool = True, skip: torch.Tensor | None = None) -> torch.Tensor:
+                     write: bool = True, skip: torch.Tensor | None = None,
+                     max_rows: int | None = None) -> torch.Tensor:
     """Gated DeltaNet's delta rule over packed rows (q, k [T, Hk, Dk], v [T, Hv, Dv], log decay g and
     beta [T, Hv]), each sequence continuing from its slot of the float32 state [S, Hv, Dk, Dv]
     (`write`: left there after its rows; `skip`: padding rows in front of each sequence's); see
-    `hibana_kernels.recurrent.gated_delta_rule`."""
+    `hibana_kernels.recurrent.gated_delta_rule`. max_rows: a host bound on any sequence's rows;
+    on the GPU from `recurrent_triton.CHUNKED_MIN_ROWS` the chunked kernel runs (a prefill chunk),
+    else (or None) the token-by-token one."""
     impl = _triton("recurrent", v) or recurrent
-    return impl.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write, skip)
+    return impl.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write, skip,
+                                 max_rows)
 
 
 def gated_delta_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

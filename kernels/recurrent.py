@@ -97,7 +97,8 @@ def _last(inputs: torch.Tensor, width: int) -> torch.Tensor:
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor, query_start_loc: torch.Tensor,
-                     write: bool = True, skip: torch.Tensor | None = None) -> torch.Tensor:
+                     write: bool = True, skip: torch.Tensor | None = None,
+                     max_rows: int | None = None) -> torch.Tensor:
     """The gated delta rule over packed rows, each sequence continuing from its state.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv], Hv a multiple of Hk (each q/k head serves Hv // Hk
@@ -109,7 +110,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Returns o [T, Hv, Dv] in v's dtype (zeros outside the sequences' rows); `write`: the slot then
     holds the state after the sequence's last row; skip: as `causal_conv1d`'s. A sequence of
     several rows runs the chunked form (transformers' `torch_chunk_gated_delta_rule`), a single row
-    the recurrent one: the same to float32 rounding."""
+    the recurrent one: the same to float32 rounding. max_rows: the caller's bound on any
+    sequence's rows, by which the Triton kernels pick their form; not read here (each sequence's
+    rows are counted on the host)."""
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     group = v.shape[1] // k.shape[1]
     for slot, has, start, end in _sequences(slots, has_state, query_start_loc, skip=skip):

@@ -3,12 +3,16 @@
 Every kernel walks a sequence's rows one by one, as decode and verify steps have few: the
 convolution one program per (sequence, channel block), the delta rule one per (sequence, v head,
 block of Dv) with its [Dk, BLOCK_DV] slice of the state in registers, float32, token by token
-(the recurrent form; exact for a long prefill too, only slow). Bounds, slots and counts are read
-on the device: no host sync, so a launch can be captured in a CUDA graph. The layer's gates and
-its gated RMSNorm are elementwise and row-wise kernels over tiles of rows.
+(the recurrent form). A step with a long sequence (a prefill chunk) runs the delta rule's chunked
+form instead: the same programs, each taking its rows a chunk at a time in a few tensor-core dots
+(`_chunked_delta_rule_kernel`). Bounds, slots and counts are read on the device: no host sync, so
+a launch can be captured in a CUDA graph. The layer's gates and its gated RMSNorm are elementwise
+and row-wise kernels over tiles of rows.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,6 +35,32 @@ CONV_BLOCK_C = 128
 STATE_TILE = 4096
 """Float32 elements of the state a delta-rule program holds ([Dk, BLOCK_DV]): 32 registers a
 thread at 4 warps."""
+CHUNKED_MIN_ROWS = 64
+"""Rows of a step's longest sequence (`gated_delta_rule`'s max_rows) from which the chunked kernel
+runs. Decode and verify steps (1 to 17 rows a sequence, the steps CUDA graphs capture) stay token
+by token: few rows are few dependent steps, and a chunk's fixed work (its [C, C] inverse, dots
+of C rows however few are the sequence's) would buy little. A prefill chunk (hundreds of rows or
+more) goes chunked. 64 leaves a margin above the longest verify step: 4 chunks of 16 against 64
+steps of the loop (bench/tune_recurrent.py times both forms from 64 rows up)."""
+
+
+class ChunkTiles(NamedTuple):
+    """The chunked delta rule's launch: `chunk` rows a step (a power of two from 16, tl.dot's
+    smallest side), `block_dv` columns of the state a program (from 16), warps and stages."""
+
+    chunk: int
+    block_dv: int
+    num_warps: int
+    num_stages: int
+
+
+CHUNK_TILES = ChunkTiles(chunk=16, block_dv=32, num_warps=8, num_stages=2)
+"""Chosen for registers, not yet timed (bench/tune_recurrent.py --sweep times others). At Qwen3.5's
+heads (Dk = Dv = 128, bf16 rows) compiled for sm_90 by Triton 3.9, ptxas spills 144 bytes a
+thread; 32 rows a chunk spill about 2 KB and 64 rows 3-4 KB, at 4 warps or 8 (the registers
+that the inverse's [C, C] dots and the row dots' [C, Dk] operands take grow with C); 16 rows at
+4 warps spill 280 bytes. Two stages: the next chunk's rows load while this one computes
+(cp.async), off the loop's dependent path, for 40 bytes more."""
 
 
 @triton.jit
@@ -178,6 +208,120 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
 
 
 @triton.jit
+def _tf32(x):
+    """float32 x rounded to tf32 (its top 10 bits of mantissa, to nearest): x - _tf32(x) is exact."""
+    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b):
+    """a @ b in float32 on tensor cores, to about float32's rounding (tf32 alone, 2^-11 an operand,
+    would leave states a thousandth off; ieee dots take the CUDA cores): a float32 operand is a
+    sum of two tf32 parts and the dot the sum of the products but the low parts' (3xTF32). A
+    16-bit operand (a q or k row as loaded) is exact in tf32, one part; two 16-bit operands take
+    one 16-bit dot (exact products, float32 sums). The interpreter multiplies in float32."""
+    if a.dtype != tl.float32 and b.dtype != tl.float32:
+        d = tl.dot(a, b)
+    elif a.dtype != tl.float32:
+        a = a.to(tl.float32)
+        high = _tf32(b)
+        d = tl.dot(a, high, tl.dot(a, b - high, input_precision="tf32"), input_precision="tf32")
+    elif b.dtype != tl.float32:
+        b = b.to(tl.float32)
+        high = _tf32(a)
+        d = tl.dot(high, b, tl.dot(a - high, b, input_precision="tf32"), input_precision="tf32")
+    else:
+        a_high, b_high = _tf32(a), _tf32(b)
+        d = tl.dot(a - a_high, b_high, input_precision="tf32")
+        d = tl.dot(a_high, b - b_high, d, input_precision="tf32")
+        d = tl.dot(a_high, b_high, d, input_precision="tf32")
+    return d
+
+
+@triton.jit
+def _unit_lower_inverse(a, i, LEVELS: tl.constexpr):
+    """(I + a)^-1 of a lower-triangular a [C, C] taken as strictly lower (its diagonal is not read;
+    C = 2^LEVELS; i [C]: its rows' indices, counted from a multiple of C), in dots: the inverse of
+    its diagonal blocks of one row (I), their size doubled LEVELS times by
+
+        [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]
+
+    for every pair of neighbouring blocks at once (Y: a's entries joining the pair)."""
+    inverse = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    for level in tl.static_range(LEVELS):
+        half = 2 ** level  # rows of the blocks inverted so far
+        joins = (i[:, None] // (2 * half) == i[None, :] // (2 * half)) & (i[:, None] // half != i[None, :] // half)
+        inverse -= _dot(inverse, _dot(tl.where(joins, a, 0.0), inverse))
+    return inverse
+
+
+@triton.jit
+def _chunked_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, has_ptr,
+                               qsl_ptr, skip_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                               stride_gt, stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, scale,
+                               DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BLOCK_DK: tl.constexpr,
+                               BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, LEVELS: tl.constexpr,
+                               WRITE: tl.constexpr, SKIP: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (sequence, v head, Dv block): `_delta_rule_kernel`'s work, CHUNK rows at a time in
+    the chunked form (`hibana_kernels.recurrent._chunked`). Per chunk, with Q, K [C, Dk] its rows
+    L2-normalised (Q scaled), V [C, BLOCK_DV], G the cumulative log decay and D[i, j] =
+    exp(G_i - G_j) on and below the diagonal (0 above), from the state S [Dk, BLOCK_DV]:
+
+        U = (I + strictly_lower(beta_i (k_i . k_j) D_ij))^-1 beta (V - exp(G) K S)    the updates
+        O = exp(G) Q S + ((Q K^T) D) U
+        S = exp(G_last) S + (K exp(G_last - G))^T U
+
+    Rows past the sequence's end are zeros (g 0, beta 0: no decay, no update). The dots take q
+    and k rows as loaded, their norms applied to the products (16-bit rows: one-part operands,
+    see `_dot`). Each Dv block of a head computes the chunk's inverse again. WRITE, SKIP: as
+    `_delta_rule_kernel`'s; UPCAST: 16-bit q and k rows taken as float32 (the interpreter, whose
+    16-bit tl.dot is wrong)."""
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dkm, dvm = dk < DK, dv < DV
+    start, end = _rows_of(qsl_ptr, skip_ptr, seq, SKIP)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has = tl.load(has_ptr + seq) != 0
+    stop = tl.where(slot >= 0, end, start)  # no slot: no rows (the output is zeros already)
+    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_ss + hv * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    smask = dkm[:, None] & dvm[None, :]
+    s = tl.load(s_ptrs, mask=_only_if(has & (stop > start), smask), other=0.0)  # [BLOCK_DK, BLOCK_DV] float32
+    r = tl.arange(0, CHUNK)
+    for c in range(start, stop, CHUNK):
+        t = c + r  # the chunk's rows
+        tm = t < stop
+        # the rows' places in the sequence, which the [CHUNK, CHUNK] masks are built from chunk by
+        # chunk (masks of r, a constant, would be hoisted out of the loop and held in registers)
+        i = (t - start).to(tl.int32)
+        km, vm = tm[:, None] & dkm[None, :], tm[:, None] & dvm[None, :]
+        k = tl.load(k_ptr + hk * stride_kh + t[:, None] * stride_kt + dk[None, :], mask=km, other=0.0)
+        q = tl.load(q_ptr + hk * stride_qh + t[:, None] * stride_qt + dk[None, :], mask=km, other=0.0)
+        if UPCAST:
+            k, q = k.to(tl.float32), q.to(tl.float32)
+        k_norm = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1) + L2_EPS)  # [CHUNK]
+        q_norm = tl.rsqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1) + L2_EPS) * scale
+        v = tl.load(v_ptr + t[:, None] * stride_vt + hv * stride_vh + dv[None, :], mask=vm, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + hv, mask=tm, other=0.0).to(tl.float32)
+        decay = tl.cumsum(tl.load(g_ptr + t * stride_gt + hv, mask=tm, other=0.0).to(tl.float32), axis=0)  # G
+        pair = tl.exp(tl.where(i[:, None] >= i[None, :], decay[:, None] - decay[None, :], float("-inf")))  # D
+        kk = k_norm[:, None] * _dot(k, tl.trans(k)) * k_norm[None, :]  # [CHUNK, CHUNK]
+        a = beta[:, None] * kk * pair  # lower-triangular; the inverse reads it below the diagonal
+        known = (tl.exp(decay) * k_norm)[:, None] * _dot(k, s)  # exp(G) K S: what S recalls for the rows
+        u = _dot(_unit_lower_inverse(a, i, LEVELS), beta[:, None] * (v - known))  # [CHUNK, BLOCK_DV]
+        qk = q_norm[:, None] * _dot(q, tl.trans(k)) * k_norm[None, :]
+        o = (tl.exp(decay) * q_norm)[:, None] * _dot(q, s) + _dot(qk * pair, u)
+        tl.store(out_ptr + t[:, None] * stride_ot + hv * stride_oh + dv[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=vm)
+        last = tl.sum(tl.where(r == CHUNK - 1, decay, 0.0), axis=0)  # G_last
+        s = s * tl.exp(last) + _dot(tl.trans(k), u * (k_norm * tl.exp(last - decay))[:, None])
+    if WRITE:
+        tl.store(s_ptrs, s, mask=_only_if(stop > start, smask))
+
+
+@triton.jit
 def _exp(x, LIBDEVICE: tl.constexpr):
     """exp(x) in float32. LIBDEVICE: libdevice's expf, which torch's CUDA kernels call, for their
     results bit for bit (tl.exp is ex2.approx; the interpreter has no libdevice: numpy's exp)."""
@@ -308,11 +452,45 @@ def conv_advance(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor, query_start_loc: torch.Tensor,
-                     write: bool = True, skip: torch.Tensor | None = None) -> torch.Tensor:
-    """See `hibana_kernels.recurrent.gated_delta_rule`."""
+                     write: bool = True, skip: torch.Tensor | None = None,
+                     max_rows: int | None = None) -> torch.Tensor:
+    """See `hibana_kernels.recurrent.gated_delta_rule`. max_rows from CHUNKED_MIN_ROWS: the chunked
+    kernel (`chunked_delta_rule`); else, or None, the token-by-token one."""
+    if max_rows is not None and max_rows >= CHUNKED_MIN_ROWS:
+        return chunked_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write, skip)
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, slots, write, advance=False,
                 skip=skip)
+    return o
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                       has_state: torch.Tensor, query_start_loc: torch.Tensor,
+                       write: bool = True, skip: torch.Tensor | None = None,
+                       tiles: ChunkTiles = CHUNK_TILES) -> torch.Tensor:
+    """`gated_delta_rule` in the chunked form whatever the rows, launched with `tiles` (tests, the
+    tuning script)."""
+    chunk = tiles.chunk
+    if chunk < 16 or chunk & (chunk - 1) or tiles.block_dv < 16:
+        raise ValueError(f"chunked_delta_rule takes chunks of a power of two rows from 16 and blocks of "
+                         f"16 columns or more, not {tiles}")
+    q, k, v, g, beta, state = _rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), _in_place(state)
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    num_v_heads, dk, dv = state.shape[1:]
+    block_dv = min(tiles.block_dv, max(triton.next_power_of_2(dv), 16))
+    grid = (slots.shape[0], num_v_heads, triton.cdiv(dv, block_dv))
+    upcast = k.device.type == "cpu" and k.dtype != torch.float32  # the interpreter's 16-bit tl.dot is wrong
+    if grid[0]:
+        _chunked_delta_rule_kernel[grid](q, k, v, g, beta, state, o, slots, has_state, query_start_loc,
+                                         slots if skip is None else skip, q.stride(0), q.stride(1), k.stride(0),
+                                         k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+                                         o.stride(0), o.stride(1), state.stride(0), state.stride(1),
+                                         state.stride(2), dk ** -0.5, DK=dk, DV=dv, GROUP=num_v_heads // k.shape[1],
+                                         BLOCK_DK=max(triton.next_power_of_2(dk), 16), BLOCK_DV=block_dv,
+                                         CHUNK=chunk, LEVELS=chunk.bit_length() - 1, WRITE=write,
+                                         SKIP=skip is not None, UPCAST=upcast,
+                                         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return o
 
 

@@ -3,7 +3,7 @@ sequence of a packed batch alone (mixed lengths, one across a 64-row chunk, fres
 sequences, a sequence with no slot); a verify step (write=False) then its advance against a plain
 step over the kept rows; the layer's gates and gated RMSNorm against transformers' bit for bit;
 then the Triton kernels against the references, in test_kernels' interpreter worker (or compiled
-on CUDA)."""
+on CUDA): the token-by-token ones and the delta rule's chunked one (a prefill's)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ SMALL_BATCH = ((2, 3, True), (1, 0, True), (5, 5, True), (3, 1, False), (2, -1, 
 KEPT = (3, 1, 65, 2, 2, 0, 0, 40)
 """Rows of BATCH a verify step keeps: some, the single one, several across a chunk, all, none."""
 SMALL_KEPT = (1, 1, 5, 2, 2, 0, 0)
+CHUNKED_BATCH = ((1, 0, True), (5, 3, True), (16, 5, True), (23, 1, False), (20, -1, True), (40, 7, True),
+                 (0, 6, True), (37, 2, False))
+"""For the chunked delta rule at 16 rows a chunk (its default): a single row, fewer than a chunk,
+exactly one, across two and three chunks (continued and fresh), a sequence with no slot, one with
+no rows."""
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 STATE_TOLERANCE = dict(atol=2e-5, rtol=2e-5)  # float32 states, whatever the rows' dtype
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -410,14 +415,19 @@ def check_causal_conv1d(device, dtype, bias, activation, write, strided=False):
     torch.testing.assert_close(state, expected_state, atol=0, rtol=0)
 
 
+def fused_rows(q, k, v):
+    """q, k, v's values as views of one fused row, as a layer splits its convolution's output."""
+    fused = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)
+    return (part.unflatten(1, shape) for part, shape in
+            zip(fused.split((HK * DK, HK * DK, HV * DV), dim=1), ((HK, DK), (HK, DK), (HV, DV))))
+
+
 def check_gated_delta_rule(device, dtype, write, strided):
-    """strided: q, k, v views of one fused row, as a layer splits its convolution's output."""
+    """strided: q, k, v views of one fused row (`fused_rows`)."""
     slots, has_state, qsl = layout(SMALL_BATCH, device)
     q, k, v, g, beta, state = delta_inputs(SMALL_BATCH, dtype, device, seed=2)
     if strided:
-        fused = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)
-        q, k, v = (part.unflatten(1, shape) for part, shape in
-                   zip(fused.split((HK * DK, HK * DK, HV * DV), dim=1), ((HK, DK), (HK, DK), (HV, DV))))
+        q, k, v = fused_rows(q, k, v)
     expected_state = state.clone()
     expected = recurrent.gated_delta_rule(q, k, v, g, beta, expected_state, slots, has_state, qsl, write)
     o = _triton().gated_delta_rule(q, k, v, g, beta, state, slots, has_state, qsl, write)
@@ -438,6 +448,65 @@ def test_triton_causal_conv1d(run_check, dtype, bias, activation, write, strided
                          ids=["float32", "bfloat16-strided", "float32-strided-nowrite"])
 def test_triton_gated_delta_rule(run_check, dtype, write, strided):
     run_check(check_gated_delta_rule, dtype=dtype, write=write, strided=strided)
+
+
+def check_chunked_delta_rule(device, dtype, write=True, strided=False, padding=False, tiles=None):
+    """The chunked kernel over CHUNKED_BATCH against the reference. strided: q, k, v views of one
+    fused row; padding: rows of NaN in front of each sequence's, left out by `skip` (zeros in the
+    output); tiles: (chunk, block_dv, num_warps, num_stages), else its default."""
+    impl = _triton()
+    tiles = impl.CHUNK_TILES if tiles is None else impl.ChunkTiles(*tiles)
+    slots, has_state, qsl = layout(CHUNKED_BATCH, device)
+    q, k, v, g, beta, state = delta_inputs(CHUNKED_BATCH, dtype, device, seed=7)
+    expected_state = state.clone()
+    expected = recurrent.gated_delta_rule(q, k, v, g, beta, expected_state, slots, has_state, qsl, write)
+    skip = None
+    if padding:
+        pads = [(3 * i) % 4 for i in range(len(CHUNKED_BATCH))]
+        skip = torch.tensor(pads, dtype=torch.int32, device=device)
+        _, _, qsl = layout(padded(CHUNKED_BATCH, pads, g)[1], device)
+        q, k, v, g, beta = (padded(CHUNKED_BATCH, pads, t)[0] for t in (q, k, v, g, beta))
+    if strided:
+        q, k, v = fused_rows(q, k, v)
+    o = impl.chunked_delta_rule(q, k, v, g, beta, state, slots, has_state, qsl, write, skip, tiles)
+    assert o.dtype == dtype and o.shape == v.shape
+    own = ~g[:, 0].isnan()  # the rows that are the sequences' (all but the padding)
+    torch.testing.assert_close(o[own], expected, **TOLERANCE[dtype])
+    assert not o[~own].any()  # zeros, as rows of no sequence
+    torch.testing.assert_close(state, expected_state, **STATE_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype, write, strided, padding, tiles",
+                         [(torch.float32, True, False, False, None), (torch.bfloat16, True, True, False, None),
+                          (torch.float32, False, True, False, None), (torch.bfloat16, False, False, True, None),
+                          (torch.float32, True, False, True, (32, 16, 4, 1))],
+                         ids=["float32", "bfloat16-strided", "float32-strided-nowrite", "bfloat16-padded-nowrite",
+                              "float32-padded-chunk32"])
+def test_triton_chunked_delta_rule(run_check, dtype, write, strided, padding, tiles):
+    run_check(check_chunked_delta_rule, dtype=dtype, write=write, strided=strided, padding=padding, tiles=tiles)
+
+
+def check_delta_rule_form_by_rows(device):
+    """gated_delta_rule's max_rows picks the form: from CHUNKED_MIN_ROWS the chunked kernel, below
+    it (or None) the token-by-token one, outputs and states bit for bit (the two forms round
+    apart here, so the check tells them apart)."""
+    impl = _triton()
+    slots, has_state, qsl = layout(SMALL_BATCH, device)
+    q, k, v, g, beta, state = delta_inputs(SMALL_BATCH, torch.float32, device, seed=8)
+
+    def run(fn, **options):
+        out_state = state.clone()
+        return fn(q, k, v, g, beta, out_state, slots, has_state, qsl, **options), out_state
+
+    chunked, token = run(impl.chunked_delta_rule), run(impl.gated_delta_rule)
+    assert not torch.equal(chunked[1], token[1])
+    for max_rows, want in ((impl.CHUNKED_MIN_ROWS, chunked), (impl.CHUNKED_MIN_ROWS - 1, token)):
+        got = run(impl.gated_delta_rule, max_rows=max_rows)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), max_rows
+
+
+def test_triton_delta_rule_form_by_rows(run_check):
+    run_check(check_delta_rule_form_by_rows)
 
 
 def test_triton_verify_then_advance(run_check):

@@ -111,7 +111,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(tokens, self.num_key_heads, self.key_head_dim)
         v = v.reshape(tokens, self.num_value_heads, self.value_head_dim)
         g, beta = kernels.gdn_gates(a, b, self.A_log, self.dt_bias, gates)  # [T, Hv]: float32, the model dtype
-        o = kernels.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, starts, writes, skip)  # [T, Hv, Dv]
+        o = kernels.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, starts, writes, skip,
+                                     batch.max_query_len)  # [T, Hv, Dv]: chunked for a long prefill chunk
         self.verified = None if writes else (mixed if inputs is None else inputs, k, v, g, beta, slots, has_state,
                                               starts, skip)
         z = z.unflatten(-1, (self.num_value_heads, self.value_head_dim))  # [T, Hv, Dv], a view
