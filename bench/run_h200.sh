@@ -11,7 +11,9 @@
 #                                   # policy with kernels per step), then hibana bench decode of qwen3-0.6b and
 #                                   # qwen3-8b under fusion auto / on / off
 #   bash bench/run_h200.sh hybrid        # Qwen3.5: recurrent kernel tests on CUDA, tiny qwen3_5 / qwen3_5_moe vs
-#                                        # transformers on the GPU, qwen3.5-35b-a3b batch-1 decode (HYBRID_DECODE=0:
+#                                        # transformers on the GPU, bench/tune_recurrent.py (the delta rule token
+#                                        # by token against chunked, qwen3.5-35b-a3b's layer, 64 to 8192 rows),
+#                                        # qwen3.5-35b-a3b batch-1 decode (HYBRID_DECODE=0:
 #                                        # not; HYBRID_MODELS="qwen3.5-27b": the dense one, 54 GB, an H100's)
 #   bash bench/run_h200.sh families      # issue 18: batch-1 decode of the gemma3-12b, phi4-mini,
 #                                        # qwen3-30b-a3b and gpt-oss-20b presets (MODELS="phi4-mini": only
@@ -154,11 +156,13 @@ case "${1:-check}" in
       --json "$OUT/agents_$model.json" 2>&1 | tee "$OUT/agents_$model.txt" ;;
   hybrid)
     # Qwen3.5: the recurrent kernels' tests on CUDA, the tiny qwen3_5 / qwen3_5_moe against transformers on
-    # the GPU (float32, 4 agents batched), then batch-1 decode of the qwen3.5-35b-a3b preset (69 GB of bf16
+    # the GPU (float32, 4 agents batched), the delta rule's two kernels checked against each other and timed
+    # at qwen3.5-35b-a3b's layer, then batch-1 decode of the qwen3.5-35b-a3b preset (69 GB of bf16
     # weights: an H200; HYBRID_DECODE=0 leaves it out)
     kernel_pytest tests/test_recurrent_kernels.py -q -rs -p no:cacheprovider 2>&1 | tail -5
     FAMILIES_ONLY=qwen3_5,qwen3_5_moe,qwen3_next python3 bench/gpu_correctness.py --only families 2>&1 \
       | tee "$OUT/gpu_correctness_hybrid.txt"
+    python3 bench/tune_recurrent.py --json "$OUT/tune_recurrent.json" 2>&1 | tee "$OUT/tune_recurrent.txt"
     if [ "${HYBRID_DECODE:-1}" = 1 ]; then
       for model in ${HYBRID_MODELS:-qwen3.5-35b-a3b}; do
         python3 -m hibana_bench.cli decode --model "$model" --context 512,8192 --generate 128 \
