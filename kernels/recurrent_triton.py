@@ -12,6 +12,7 @@ and row-wise kernels over tiles of rows.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -35,9 +36,11 @@ CONV_BLOCK_C = 128
 STATE_TILE = 4096
 """Float32 elements of the state a delta-rule program holds ([Dk, BLOCK_DV]): 32 registers a
 thread at 4 warps."""
-CHUNKED_MIN_ROWS = 64
+CHUNKED_MIN_ROWS: int | None = 64 if os.environ.get("HIBANA_CHUNKED_DELTA", "0") != "0" else None
 """Rows of a step's longest sequence (`gated_delta_rule`'s max_rows) from which the chunked kernel
-runs. Decode and verify steps (1 to 17 rows a sequence, the steps CUDA graphs capture) stay token
+runs; None: never. Off until its first GPU check (written 2026-12-07 and checked in Triton's
+interpreter only; HIBANA_CHUNKED_DELTA=1 turns it on, as bench/run_h200.sh's hybrid stage does for
+gpu_correctness): a wrong kernel there would give every hybrid prompt wrong states. Decode and verify steps (1 to 17 rows a sequence, the steps CUDA graphs capture) stay token
 by token: few rows are few dependent steps, and a chunk's fixed work (its [C, C] inverse, dots
 of C rows however few are the sequence's) would buy little. A prefill chunk (hundreds of rows or
 more) goes chunked. 64 leaves a margin above the longest verify step: 4 chunks of 16 against 64
@@ -456,7 +459,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      max_rows: int | None = None) -> torch.Tensor:
     """See `hibana_kernels.recurrent.gated_delta_rule`. max_rows from CHUNKED_MIN_ROWS: the chunked
     kernel (`chunked_delta_rule`); else, or None, the token-by-token one."""
-    if max_rows is not None and max_rows >= CHUNKED_MIN_ROWS:
+    if max_rows is not None and CHUNKED_MIN_ROWS is not None and max_rows >= CHUNKED_MIN_ROWS:
         return chunked_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write, skip)
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, slots, write, advance=False,

@@ -500,9 +500,16 @@ def check_delta_rule_form_by_rows(device):
 
     chunked, token = run(impl.chunked_delta_rule), run(impl.gated_delta_rule)
     assert not torch.equal(chunked[1], token[1])
-    for max_rows, want in ((impl.CHUNKED_MIN_ROWS, chunked), (impl.CHUNKED_MIN_ROWS - 1, token)):
-        got = run(impl.gated_delta_rule, max_rows=max_rows)
-        assert all(torch.equal(x, y) for x, y in zip(got, want)), max_rows
+    default = impl.CHUNKED_MIN_ROWS  # (None unless HIBANA_CHUNKED_DELTA turns the chunked form on)
+    try:
+        impl.CHUNKED_MIN_ROWS = 64
+        for max_rows, want in ((64, chunked), (63, token)):
+            got = run(impl.gated_delta_rule, max_rows=max_rows)
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), max_rows
+        impl.CHUNKED_MIN_ROWS = None  # off: token by token however many rows
+        assert all(torch.equal(x, y) for x, y in zip(run(impl.gated_delta_rule, max_rows=4096), token))
+    finally:
+        impl.CHUNKED_MIN_ROWS = default
 
 
 def test_triton_delta_rule_form_by_rows(run_check):
