@@ -424,6 +424,31 @@ def test_a_hybrid_draft_model_under_slot_pressure_evicts_idle_states(qwen35, tin
     assert drafter.summary()["evictions"] > 0 and engine.stats().draft_tokens_proposed > 0
 
 
+@pytest.mark.parametrize("method, gates", [("gptq", "dense"), ("awq", "packed")])
+def test_a_gptq_or_awq_qwen3_5_checkpoint_loads_packed_and_computes_its_dequantized_model(
+        method, gates, tmp_path, make_engine, monkeypatch):
+    """A 4-bit Qwen3.5 checkpoint (its attention, MLP and linear-attention projections packed; the
+    narrow b / a gate projections in 16 bits, as quantization recipes leave them, or packed too)
+    loads onto the int4 kernels, its fused input projections included, and gives the greedy
+    tokens of the float model with its dequantized weights."""
+    import test_prequantized
+
+    src = make_tiny_checkpoint("qwen3_5", tmp_path / "src", linear_num_value_heads=8)  # (8 gates: packable)
+    linear = ("in_proj_qkv", "in_proj_z", "out_proj") + (("in_proj_b", "in_proj_a") if gates == "packed" else ())
+    monkeypatch.setattr(test_prequantized, "LINEARS", test_prequantized.LINEARS + linear)
+    reference = test_prequantized.write_quantized(src, tmp_path / method, method)
+    packed, dense = make_engine(tmp_path / method, speculation="off"), make_engine(reference, speculation="off")
+    kinds = {name.rpartition(".")[2]: m.kind for name, m in packed.model.named_modules() if hasattr(m, "set_packed")}
+    assert kinds["in_proj"] == kinds["out_proj"] == "int4"
+    assert kinds["in_proj_gates"] == ("int4" if gates == "packed" else "dense")
+    assert packed.weight_bytes < dense.weight_bytes / 2
+    rng = random.Random(3670)
+    for i in range(2):
+        prompt = random_tokens(rng, 30 + 9 * i)
+        got = packed.open_state(f"a{i}").generate(greedy(12), prompt=prompt).token_ids
+        assert list(got) == list(dense.open_state(f"a{i}").generate(greedy(12), prompt=prompt).token_ids)
+
+
 @pytest.mark.parametrize("scheme", ["fp8", "ct-block"])
 def test_an_fp8_qwen3_5_checkpoint_with_its_gates_in_16_bits_loads_as_it_is(qwen35, tmp_path, make_engine, scheme):
     """Quantized Qwen3.5 releases leave the linear layers' narrow b / a projections (and the
