@@ -519,12 +519,13 @@ class DraftModelDrafter:
                 "states": len(self._states), "evictions": c.evictions, "skipped": c.skipped}
 
     def resident_bytes(self) -> int:
-        """Device bytes this drafter holds: its own weights and its KV cache."""
-        return self.weight_bytes + (self.kv_cache.nbytes if self.kv_cache is not None else 0)
+        """Device bytes this drafter holds: its own weights, its KV cache and a hybrid's state slots."""
+        states = self.ctx.recurrent.nbytes if self.ctx.recurrent is not None else 0
+        return self.weight_bytes + (self.kv_cache.nbytes if self.kv_cache is not None else 0) + states
 
     def close(self) -> None:
         """Free the weights and the KV (the engine closes); later proposals are empty."""
         for entry in self._states.values():
             entry.seq.release()
         self._states.clear()
-        self.runner = self.kv_cache = self.ctx.kv_cache = None
+        self.runner = self.kv_cache = self.ctx.kv_cache = self.ctx.recurrent = None
