@@ -299,18 +299,23 @@ class ModelRunner:
         if chunks[0].request.seq.recurrent is None:
             return
         states = [c.request.seq.recurrent for c in chunks]
-        # to the prompt's end (nothing for a chunk past it), then the rest
-        first = [s.commit(min(c.request.seq.num_computed, max(c.request.num_prompt, c.start)), partial=True)
-                 for s, c in zip(states, chunks)]
-        if any(first):
-            self.model.commit_recurrent(self._tensor(first, torch.int32))
-            for state, chunk in zip(states, chunks):
-                if state.pending is not None and state.pending > chunk.start:
-                    keep_prompt_state(chunk.request)
-        rest = [s.commit(c.request.seq.num_computed) for s, c in zip(states, chunks)]
-        if any(rest):
-            self.model.commit_recurrent(self._tensor(rest, torch.int32),
-                                        self._tensor(first, torch.int32) if any(first) else None)
+        try:
+            # to the prompt's end (nothing for a chunk past it), then the rest
+            first = [s.commit(min(c.request.seq.num_computed, max(c.request.num_prompt, c.start)), partial=True)
+                     for s, c in zip(states, chunks)]
+            if any(first):
+                self.model.commit_recurrent(self._tensor(first, torch.int32))
+                for state, chunk in zip(states, chunks):
+                    if state.pending is not None and state.pending > chunk.start:
+                        keep_prompt_state(chunk.request)
+            rest = [s.commit(c.request.seq.num_computed) for s, c in zip(states, chunks)]
+            if any(rest):
+                self.model.commit_recurrent(self._tensor(rest, torch.int32),
+                                            self._tensor(first, torch.int32) if any(first) else None)
+        except BaseException:  # the states' positions may be past what their slots hold: recomputed
+            for chunk in chunks:
+                chunk.request.seq.release()
+            raise
 
     def take_from_device(self, input_ids: torch.Tensor, data: StepData,
                          previous: StepInFlight | None) -> None:

@@ -91,14 +91,10 @@ def test_qwen3_5_mixed_speculation_with_truncation_matches_transformers(qwen35, 
         assert_greedy_matches(qwen35, history, out)
 
 
-def test_hybrid_decode_and_verify_graphs_leave_their_padding_out(qwen35, make_engine, monkeypatch):
-    """A hybrid model's CUDA-graph path, on the CPU: decode graphs, and verify graphs whose
-    sequences are front-padded to the graph's rows (the linear layers leave the padding out) and
-    which keep what the commit reads in the verify stash. A stand-in graph's capture runs the step
-    once, as a capture records it; its replay runs it again on the static inputs into the captured
-    logits and clears the layers' records of the step, which only the graph's record brings back,
-    as after a real replay. mixed_batch's agents (several drafters, mixed draft lengths, async
-    scheduling) give the output without speculation, and transformers'."""
+def stand_in_graphs(monkeypatch) -> None:
+    """CUDA graphs on the CPU: a capture runs the step once with no state slot, as a capture
+    records without running; a replay runs it again on the static inputs into the captured
+    logits and clears the layers' records of the step, as a replay leaves Python untouched."""
     from hibana_core.runner import DecodeGraphs
 
     class Graph:
@@ -107,7 +103,7 @@ def test_hybrid_decode_and_verify_graphs_leave_their_padding_out(qwen35, make_en
 
     def capture(graphs, graph, bucket, q, span):
         model, slots = graphs.runner.model, graphs.state_slots.clone()
-        graphs.state_slots.fill_(-1)  # a capture records the step, runs nothing: no state changes
+        graphs.state_slots.fill_(-1)
         logits = graphs._forward(bucket, q, span)
         graphs.state_slots.copy_(slots)
 
@@ -120,6 +116,19 @@ def test_hybrid_decode_and_verify_graphs_leave_their_padding_out(qwen35, make_en
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+
+
+def test_hybrid_decode_and_verify_graphs_leave_their_padding_out(qwen35, make_engine, monkeypatch):
+    """A hybrid model's CUDA-graph path, on the CPU: decode graphs, and verify graphs whose
+    sequences are front-padded to the graph's rows (the linear layers leave the padding out) and
+    which keep what the commit reads in the verify stash. A stand-in graph's capture runs the step
+    once, as a capture records it; its replay runs it again on the static inputs into the captured
+    logits and clears the layers' records of the step, which only the graph's record brings back,
+    as after a real replay. mixed_batch's agents (several drafters, mixed draft lengths, async
+    scheduling) give the output without speculation, and transformers'."""
+    from hibana_core.runner import DecodeGraphs
+
+    stand_in_graphs(monkeypatch)
     made = []
 
     def with_graphs(path, **options):
@@ -149,6 +158,41 @@ def test_hybrid_decode_and_verify_graphs_leave_their_padding_out(qwen35, make_en
             assert_greedy_matches(qwen35, history, completion.token_ids)
     stats = engine.stats()  # (drafts only move speed: a draft state gone wrong shows as drafts rejected)
     assert drafter.runner.graphs.graphs and stats.draft_tokens_accepted >= 0.9 * stats.draft_tokens_proposed > 0
+
+
+def test_a_verify_graph_over_prompt_ends_with_fewer_sequences_than_its_bucket(qwen35, make_engine, monkeypatch):
+    """Three agents' second turns (a few new tokens) verified with drafts in one graph of bucket 4:
+    the kept rows of each reach past its prompt's end, so the commit folds them in two parts,
+    padded to the graph's four sequences (it raised on the sizes, and left the states past what
+    their slots held); each answer is transformers'."""
+    from spec_drafters import OracleDrafter, registered
+
+    from hibana_core.runner import DecodeGraphs
+
+    stand_in_graphs(monkeypatch)
+    rng, oracle, plans = random.Random(3680), OracleDrafter(VOCAB_SIZE), []
+    for _ in range(3):
+        first = random_tokens(rng, 24)
+        out = hf_greedy(qwen35, first, 4)
+        second = first + out + random_tokens(rng, 6)
+        oracle.add(first, out)
+        oracle.add(second, hf_greedy(qwen35, second, 8))
+        plans.append((first, second))
+    with registered(oracle=oracle):
+        engine = make_engine(qwen35, speculation={"method": "oracle", "k": 4}, async_scheduling=True)
+    runner = engine.core.runner
+    runner.graphs = DecodeGraphs(runner, engine.config.scheduler.max_concurrent_agents)
+    handles = [engine.open_state(f"g{i}") for i in range(3)]
+    for h, (first, _) in zip(handles, plans):
+        h.generate(greedy(4), prompt=first)
+    with engine.core.lock:  # all three queued before a step: verified in the same steps
+        streams = [h.stream(greedy(8), prompt=second) for h, (_, second) in zip(handles, plans)]
+    done = [list([event for event in events][-1].completion.token_ids) for events in streams]
+    assert any(bucket == 4 for bucket, _, _ in runner.graphs.verified), sorted(runner.graphs.verified)
+    for i, (_, second) in enumerate(plans):
+        assert_greedy_matches(qwen35, second, done[i])
+        more = list(handles[i].generate(greedy(4)).token_ids)  # the states went on from the right place
+        assert_greedy_matches(qwen35, second + done[i], more)
 
 
 def test_a_history_cut_inside_the_last_reply_continues_from_the_prompts_snapshot(qwen35, make_engine):
@@ -402,6 +446,30 @@ def test_a_hybrid_draft_model_follows_cut_and_re_rendered_histories(qwen35, tmp_
     more = list(h.generate(greedy(6)).token_ids)
     assert_greedy_matches(qwen35, edited[:20], more)
     assert engine.stats().draft_tokens_proposed > 0
+
+
+def test_a_hybrid_draft_models_snapshots_give_way_to_drafting_states(qwen35, make_engine):
+    """Two agents drafting at once with the fewest slots (live and scratch each, one more): the
+    snapshots their new prompts took give way to a drafting state's scratch slot, so neither is
+    skipped nor made to catch up its history again."""
+    from hibana_core.speculation.drafters import DraftInput
+
+    engine = make_engine(qwen35, speculation={"method": "draft_model", "draft_model": str(qwen35), "k": 4},
+                         max_concurrent_agents=2)
+    drafter, rng = hybrid_drafter(engine), random.Random(3690)
+
+    class Key:  # a state's identity (weakly referenced)
+        pass
+
+    keys, histories = [Key(), Key()], [random_tokens(rng, 40), random_tokens(rng, 40)]
+    for call in range(4):
+        drafts = drafter.propose_many([DraftInput(h, k, 0) for h, k in zip(histories, keys)], [4, 4])
+        assert [len(d) for d in drafts] == [4, 4], call
+        for h in histories:  # a token kept a call
+            h.append(rng.randrange(VOCAB_SIZE))
+    summary = drafter.summary()
+    # each call runs the tokens from a state's last end but one (the last on its scratch copy)
+    assert summary["skipped"] == 0 and summary["tokens_prefilled"] == 2 * 40 + 3 * 2 * 2
 
 
 def test_a_hybrid_draft_model_under_slot_pressure_evicts_idle_states(qwen35, tiny_checkpoints, make_engine):

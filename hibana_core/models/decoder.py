@@ -847,7 +847,15 @@ class DecoderForCausalLM(nn.Module):
 
     def commit_recurrent(self, counts: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """After a verify step, each sequence's states fold in counts[b] of its rows: its first, or
-        those after the first skip[b], which an earlier call folded in."""
+        those after the first skip[b], which an earlier call folded in. (A CUDA graph's step has
+        as many sequences as its batch bucket, the padding ones after the step's: they take 0.)"""
+        records = [layer.linear_attn.verified for layer in self.model.layers if layer.linear]
+        if not records or records[0] is None:
+            return
+        padding = records[0][5].shape[0] - counts.shape[0]  # (the record's slots: one a sequence)
+        if padding:
+            counts = torch.nn.functional.pad(counts, (0, padding))
+            skip = None if skip is None else torch.nn.functional.pad(skip, (0, padding))
         for layer in self.model.layers:
             if layer.linear:
                 layer.linear_attn.commit(counts, skip)

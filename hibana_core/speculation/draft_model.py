@@ -370,33 +370,44 @@ class DraftModelDrafter:
         self.counters.skipped += len(states) - len(chosen)
         seqs = {i: self._sequence(states[i]) for i, _ in chosen}
         busy = {id(states[i].key) for i, _ in chosen}
-        work = []
-        for i, k in sorted(chosen, key=lambda c: -c[1]):
-            seq = seqs[i]
-            end = len(seq.tokens)
-            seq.trim_kv(min(seq.num_computed, end - 1))  # the last token's logits give draft 1
-            seq.prefer_index(end - 1)
-            seq.reuse_cached_blocks(end - 1)
-            writes = end - seq.num_computed + k - 1  # the tail and every draft but the last
-            slots = 0 if seq.recurrent is None else (seq.recurrent.slot is None) + 1  # live, and scratch
-            if not self._room(seq.blocks_needed(writes), busy, slots):
-                seq.release()
-                self.counters.skipped += 1
-                continue
-            seq.prepare_write(writes)
-            scratch = -1
-            if seq.recurrent is not None:
-                seq.recurrent.ensure_slot()
-                scratch = self.states.allocate()
-            work.append(_Work(i, seq, k, seq.num_computed, end, states[i].params, states[i].draw, scratch))
+        work: list[_Work] = []
+        try:
+            for i, k in sorted(chosen, key=lambda c: -c[1]):
+                seq = seqs[i]
+                end = len(seq.tokens)
+                seq.trim_kv(min(seq.num_computed, end - 1))  # the last token's logits give draft 1
+                seq.prefer_index(end - 1)
+                seq.reuse_cached_blocks(end - 1)
+                writes = end - seq.num_computed + k - 1  # the tail and every draft but the last
+                slots = 0 if seq.recurrent is None else (seq.recurrent.slot is None) + 1  # live, and scratch
+                if not self._room(seq.blocks_needed(writes), busy, slots):
+                    seq.release()
+                    self.counters.skipped += 1
+                    continue
+                seq.prepare_write(writes)
+                scratch = -1
+                if seq.recurrent is not None:
+                    seq.recurrent.ensure_slot()
+                    scratch = self.states.allocate()
+                work.append(_Work(i, seq, k, seq.num_computed, end, states[i].params, states[i].draw, scratch))
+        except BaseException:  # the scratch slots taken so far go back
+            for w in work:
+                if w.scratch >= 0:
+                    self.states.free(w.scratch)
+            raise
         return work
 
     def _room(self, blocks: int, busy: set[int], slots: int = 0) -> bool:
-        """Whether `blocks` can be allocated (and `slots` state slots taken), after dropping idle
-        states' KV and slots (LRU first)."""
+        """Whether `blocks` can be allocated (and `slots` state slots taken), after dropping a
+        hybrid's snapshots (LRU first, a drafting state's too: a re-rendered history's fallback
+        only) and then idle states' KV and slots (LRU first)."""
         def fits() -> bool:
             return self.pool.can_allocate(blocks) and (not slots or self.states.num_free >= slots)
 
+        for entry in self._states.values() if slots else ():
+            if self.states.num_free >= slots:
+                break
+            entry.seq.recurrent.drop_snapshots()
         for key, entry in self._states.items():
             if fits():
                 break
