@@ -42,7 +42,7 @@ from hibana_core.forward_context import ForwardContext
 from hibana_core.grammar import Grammars
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.budget import device_memory, workspace_bytes
-from hibana_core.kv.recurrent import MIN_STATE_SLOTS, STATE_SHARE, RecurrentSlots
+from hibana_core.kv.recurrent import RecurrentSlots, slots_within
 from hibana_core.kv.recurrent_cache import RecurrentCache, VerifyStash
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.layout import KVLayout
@@ -492,19 +492,15 @@ class Engine:
     def _size_states(self, agent_bytes: int | None) -> int:
         """Slots of a hybrid model's recurrent cache (`state_slots`; 0 for other models): each
         running agent's state and as many more (idle agents' states, their snapshots, published
-        prefixes), 2 x max_concurrent_agents + 2, within `STATE_SHARE` of `agent_bytes`, the memory
-        left for agents (KV and states; None: not known, a KV cache sized in blocks), but never
-        fewer than `MIN_STATE_SLOTS`. Returns their bytes with the scratch slot's (and on a GPU the
-        verify graphs' stash), which join the workspace. (A Qwen3.5-27B state is 151 MB: 130 slots
-        would take 20 GB.)"""
+        prefixes), 2 x max_concurrent_agents + 2, within `agent_bytes`, the memory left for agents
+        (KV and states; None: not known, a KV cache sized in blocks: `kv.recurrent.slots_within`).
+        Returns their bytes with the scratch slot's (and on a GPU the verify graphs' stash), which
+        join the workspace. (A Qwen3.5-27B state is 151 MB: 130 slots would take 20 GB.)"""
         shapes = getattr(self.model, "recurrent_shapes", None)
         if not shapes:
             return 0
         slot = RecurrentCache.slot_bytes(shapes, self.dtype)
-        slots = 2 * self.config.scheduler.max_concurrent_agents + 2
-        if agent_bytes is not None:
-            slots = min(slots, max(MIN_STATE_SLOTS, int(agent_bytes * STATE_SHARE) // slot - 1))
-        self.state_slots = slots
+        slots = self.state_slots = slots_within(2 * self.config.scheduler.max_concurrent_agents + 2, agent_bytes, slot)
         taken = (slots + 1) * slot
         if self.device.type == "cuda" and self.config.cuda_graphs:  # and the verify graphs' stash
             taken += DecodeGraphs.stash_rows(self.config.scheduler.max_concurrent_agents, shapes, self.dtype) \
@@ -549,8 +545,7 @@ class Engine:
         draft_share = reserve.share if reserve else 0.0
         host_bytes = (self.config.cache.host_kv_bytes or 0) if memory.unified else 0
         fixed = weight_bytes + self.workspace_bytes + draft_bytes + host_bytes  # (a host tier on unified
-        self._size_states(budget - fixed)                                      # memory: the same memory)
-        fixed = weight_bytes + self.workspace_bytes + draft_bytes + host_bytes  # the states' slots now in it
+        fixed += self._size_states(budget - fixed)                             # memory: the same memory)
         # the drafter's KV is max(share x the target's, least): kv + that fits what is left
         left = budget - fixed
         kv_bytes = int(min(left / (1 + draft_share), left - draft_least))

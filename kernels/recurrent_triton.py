@@ -40,11 +40,12 @@ CHUNKED_MIN_ROWS: int | None = 64 if os.environ.get("HIBANA_CHUNKED_DELTA", "0")
 """Rows of a step's longest sequence (`gated_delta_rule`'s max_rows) from which the chunked kernel
 runs; None: never. Off until its first GPU check (written 2026-12-07 and checked in Triton's
 interpreter only; HIBANA_CHUNKED_DELTA=1 turns it on, as bench/run_h200.sh's hybrid stage does for
-gpu_correctness): a wrong kernel there would give every hybrid prompt wrong states. Decode and verify steps (1 to 17 rows a sequence, the steps CUDA graphs capture) stay token
-by token: few rows are few dependent steps, and a chunk's fixed work (its [C, C] inverse, dots
-of C rows however few are the sequence's) would buy little. A prefill chunk (hundreds of rows or
-more) goes chunked. 64 leaves a margin above the longest verify step: 4 chunks of 16 against 64
-steps of the loop (bench/tune_recurrent.py times both forms from 64 rows up)."""
+gpu_correctness): a wrong kernel there would give every hybrid prompt wrong states. Decode and
+verify steps (1 to 17 rows a sequence, the steps CUDA graphs capture) stay token by token: few rows
+are few dependent steps, and a chunk's fixed work (its [C, C] inverse, dots of C rows however few
+are the sequence's) would buy little. A prefill chunk (hundreds of rows or more) goes chunked. 64
+leaves a margin above the longest verify step: 4 chunks of 16 against 64 steps of the loop
+(bench/tune_recurrent.py times both forms from 64 rows up)."""
 
 
 class ChunkTiles(NamedTuple):
@@ -164,6 +165,20 @@ def _conv_advance_kernel(x_ptr, state_ptr, slots_ptr, has_ptr, qsl_ptr, skip_ptr
 
 
 @triton.jit
+def _state_slice(state_ptr, slots_ptr, has_ptr, seq, hv, dk, dv, dkm, dvm, start, end, stride_ss, stride_sh,
+                 stride_sk):
+    """A delta-rule program's slice of its sequence's state: (stop: the end of the rows it runs, its
+    start where the sequence has no slot (its output stays zeros); the slice's pointers and mask;
+    the slice [BLOCK_DK, BLOCK_DV] float32, zeros for a fresh sequence)."""
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has = tl.load(has_ptr + seq) != 0
+    stop = tl.where(slot >= 0, end, start)
+    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_ss + hv * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    smask = dkm[:, None] & dvm[None, :]
+    return stop, s_ptrs, smask, tl.load(s_ptrs, mask=_only_if(has & (stop > start), smask), other=0.0)
+
+
+@triton.jit
 def _unit_row(ptr, d, dm):
     """A q or k head's row, float32, L2-normalised (transformers' `l2norm`)."""
     x = tl.load(ptr + d, mask=dm, other=0.0).to(tl.float32)
@@ -189,12 +204,8 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
     start, end = _rows_of(qsl_ptr, skip_ptr, seq, SKIP)
     if ADVANCE:
         end = start + tl.maximum(tl.minimum(tl.load(counts_ptr + seq), end - start), 0)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    has = tl.load(has_ptr + seq) != 0
-    stop = tl.where(slot >= 0, end, start)  # no slot: no rows (the output is zeros already)
-    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_ss + hv * stride_sh + dk[:, None] * stride_sk + dv[None, :]
-    smask = dkm[:, None] & dvm[None, :]
-    s = tl.load(s_ptrs, mask=_only_if(has & (stop > start), smask), other=0.0)  # [BLOCK_DK, BLOCK_DV] float32
+    stop, s_ptrs, smask, s = _state_slice(state_ptr, slots_ptr, has_ptr, seq, hv, dk, dv, dkm, dvm, start, end,
+                                          stride_ss, stride_sh, stride_sk)
     for t in range(start, stop):
         k = _unit_row(k_ptr + t * stride_kt + hk * stride_kh, dk, dkm)
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + dv, mask=dvm, other=0.0).to(tl.float32)
@@ -286,12 +297,8 @@ def _chunked_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, 
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dkm, dvm = dk < DK, dv < DV
     start, end = _rows_of(qsl_ptr, skip_ptr, seq, SKIP)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    has = tl.load(has_ptr + seq) != 0
-    stop = tl.where(slot >= 0, end, start)  # no slot: no rows (the output is zeros already)
-    s_ptrs = state_ptr + tl.maximum(slot, 0) * stride_ss + hv * stride_sh + dk[:, None] * stride_sk + dv[None, :]
-    smask = dkm[:, None] & dvm[None, :]
-    s = tl.load(s_ptrs, mask=_only_if(has & (stop > start), smask), other=0.0)  # [BLOCK_DK, BLOCK_DV] float32
+    stop, s_ptrs, smask, s = _state_slice(state_ptr, slots_ptr, has_ptr, seq, hv, dk, dv, dkm, dvm, start, end,
+                                          stride_ss, stride_sh, stride_sk)
     r = tl.arange(0, CHUNK)
     for c in range(start, stop, CHUNK):
         t = c + r  # the chunk's rows

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from hibana_core import SamplingParams
-from test_host_tier import AGENTS, DEVICE_BLOCKS, GENERATE, TURNS, round_robin
+from test_host_tier import AGENTS, DEVICE_BLOCKS, GENERATE, TURNS, assert_only_new_tokens_computed, round_robin
 from tiny_models import random_tokens
 
 
@@ -27,8 +27,7 @@ def test_turns_compute_only_their_new_tokens_through_disk(tiny_checkpoints, make
         tiers_seen.update(info.tier for info in engine.states())
 
     computed = round_robin(engine, seed=7, check=check)
-    for turn, row in enumerate(computed[1:], 1):
-        assert [c for c, _ in row] == [new for _, new in row], f"turn {turn}: (computed, new) {row}"
+    assert_only_new_tokens_computed(computed)
     tier = engine.stats().host_tier
     assert tier["spills"] >= AGENTS and tier["disk_resumes"] >= AGENTS
     assert tier["dropped"] == 0 and tier["bytes_used"] <= tier["budget_bytes"]

@@ -44,6 +44,12 @@ def round_robin(engine, seed: int, check=None) -> list[list[tuple[int, int]]]:
     return computed
 
 
+def assert_only_new_tokens_computed(computed: list[list[tuple[int, int]]]) -> None:
+    """Every turn after the first of `round_robin` computed exactly its new tokens."""
+    for turn, row in enumerate(computed[1:], 1):
+        assert [c for c, _ in row] == [new for _, new in row], f"turn {turn}: (computed, new) {row}"
+
+
 def test_turns_compute_only_their_new_tokens(tiny_checkpoints, make_engine, hf_greedy):
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, num_blocks=DEVICE_BLOCKS, speculation="off")
@@ -52,8 +58,7 @@ def test_turns_compute_only_their_new_tokens(tiny_checkpoints, make_engine, hf_g
         assert list(got) == hf_greedy(str(path), prompt, GENERATE)
 
     computed = round_robin(engine, seed=1, check=check)
-    for turn, row in enumerate(computed[1:], 1):
-        assert [c for c, _ in row] == [new for _, new in row], f"turn {turn}: (computed, new) {row}"
+    assert_only_new_tokens_computed(computed)
     stats = engine.stats()
     assert stats.parks >= AGENTS and stats.resumes >= AGENTS * (TURNS - 2)
     assert stats.host_tier["tokens_restored"] > 0 and stats.host_tier["bytes_used"] <= stats.host_tier["budget_bytes"]

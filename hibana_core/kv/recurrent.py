@@ -42,10 +42,21 @@ STATE_SHARE = 0.5
 each a fixed size whatever the history (Qwen3.5-35B-A3B: 62 MB, Qwen3.5-27B: 151 MB)."""
 MIN_STATE_SLOTS = 4
 """The fewest slots a recurrent cache has: two running agents, or one with its snapshots."""
+
+
 SHARE_STRIDE = 512
 """Tokens between the published states of a prefill (`RecurrentSlots.publish`): a prompt's
 chunks end at its multiples, and another agent whose history starts alike continues from the
 last one its history reaches, recomputing fewer than this many tokens of the common prefix."""
+
+
+def slots_within(wanted: int, agent_bytes: int | None, slot_bytes: int) -> int:
+    """A recurrent cache's slots: `wanted`, or as many as `STATE_SHARE` of agent_bytes (the memory
+    left for agents' KV and states; None: not known) holds beside the scratch slot, whichever is
+    fewer, never fewer than `MIN_STATE_SLOTS`."""
+    if agent_bytes is None:
+        return wanted
+    return min(wanted, max(MIN_STATE_SLOTS, int(agent_bytes * STATE_SHARE) // slot_bytes - 1))
 
 
 class RecurrentSlots:

@@ -852,7 +852,7 @@ class DecoderForCausalLM(nn.Module):
         records = [layer.linear_attn.verified for layer in self.model.layers if layer.linear]
         if not records or records[0] is None:
             return
-        padding = records[0][5].shape[0] - counts.shape[0]  # (the record's slots: one a sequence)
+        padding = records[0].slots.shape[0] - counts.shape[0]
         if padding:
             counts = torch.nn.functional.pad(counts, (0, padding))
             skip = None if skip is None else torch.nn.functional.pad(skip, (0, padding))

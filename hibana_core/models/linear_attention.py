@@ -16,6 +16,7 @@ sequences are front-padded (`ForwardBatch.state_skip`: rows the kernels leave ou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -23,6 +24,21 @@ from torch import nn
 import hibana_kernels as kernels
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.recurrent_cache import RecurrentShape
+
+
+class Verified(NamedTuple):
+    """What a verify step leaves for `GatedDeltaNet.commit`: the convolution's input rows, k, v, g
+    and beta, and the step's sequences (slots, has_state, row starts, padding rows in front)."""
+
+    inputs: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    slots: torch.Tensor
+    has_state: torch.Tensor
+    starts: torch.Tensor
+    skip: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -71,7 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()  # the gated RMSNorm's weight, under the checkpoint's name
         self.norm.weight = nn.Parameter(torch.ones(linear.value_head_dim))
         self.out_proj = Linear(self.value_dim, args.hidden_size, bias=False)
-        self.verified: tuple | None = None
+        self.verified: Verified | None = None
         """What the last verify step left for `commit` (a CUDA graph's, recorded at its capture, is
         given back after each replay: the graph's forward ran once, in Python)."""
 
@@ -113,8 +129,8 @@ class GatedDeltaNet(nn.Module):
         g, beta = kernels.gdn_gates(a, b, self.A_log, self.dt_bias, gates)  # [T, Hv]: float32, the model dtype
         o = kernels.gated_delta_rule(q, k, v, g, beta, state, slots, has_state, starts, writes, skip,
                                      batch.max_query_len)  # [T, Hv, Dv]: chunked for a long prefill chunk
-        self.verified = None if writes else (mixed if inputs is None else inputs, k, v, g, beta, slots, has_state,
-                                              starts, skip)
+        self.verified = None if writes else Verified(mixed if inputs is None else inputs, k, v, g, beta, slots,
+                                                      has_state, starts, skip)
         z = z.unflatten(-1, (self.num_value_heads, self.value_head_dim))  # [T, Hv, Dv], a view
         o = kernels.gated_rms_norm(o, z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(tokens, self.value_dim)), residual

@@ -47,7 +47,7 @@ from hibana_core.errors import ConfigError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
-from hibana_core.kv.recurrent import MIN_STATE_SLOTS, STATE_SHARE, RecurrentSlots, RecurrentState
+from hibana_core.kv.recurrent import RecurrentSlots, RecurrentState, slots_within
 from hibana_core.kv.recurrent_cache import RecurrentCache
 from hibana_core.kv.sequence import KVSequence, LongRope
 from hibana_core.kv.transfers import device_tensor
@@ -270,13 +270,13 @@ class DraftModelDrafter:
     def _recurrent_cache(self, loaded: LoadedModel, agent_bytes: int, max_agents: int,
                          device: torch.device) -> RecurrentSlots | None:
         """A hybrid draft model's state slots (None for others): a live one per state it follows
-        and a scratch one per state drafting in a call, 2 x max_agents + 1 where `STATE_SHARE` of
-        agent_bytes (its share of the memory) holds them, at least `MIN_STATE_SLOTS`."""
+        and a scratch one per state drafting in a call, 2 x max_agents + 1 within agent_bytes (its share
+        of the memory: `slots_within`)."""
         shapes = getattr(loaded.model, "recurrent_shapes", None)
         if not shapes:
             return None
         slot = RecurrentCache.slot_bytes(shapes, loaded.dtype)
-        slots = min(2 * max_agents + 1, max(MIN_STATE_SLOTS, int(agent_bytes * STATE_SHARE) // slot - 1))
+        slots = slots_within(2 * max_agents + 1, agent_bytes, slot)
         try:
             self.ctx.recurrent = RecurrentCache(shapes, slots, loaded.dtype, device)
         except (RuntimeError, MemoryError) as exc:
