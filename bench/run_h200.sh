@@ -160,7 +160,7 @@ case "${1:-check}" in
     # at qwen3.5-35b-a3b's layer, then batch-1 decode of the qwen3.5-35b-a3b preset (69 GB of bf16
     # weights: an H200; HYBRID_DECODE=0 leaves it out)
     kernel_pytest tests/test_recurrent_kernels.py -q -rs -p no:cacheprovider 2>&1 | tail -5
-    HIBANA_CHUNKED_DELTA=1 FAMILIES_ONLY=qwen3_5,qwen3_5_moe,qwen3_next python3 bench/gpu_correctness.py \
+    FAMILIES_ONLY=qwen3_5,qwen3_5_moe,qwen3_next python3 bench/gpu_correctness.py \
       --only families 2>&1 \
       | tee "$OUT/gpu_correctness_hybrid.txt"
     python3 bench/tune_recurrent.py --json "$OUT/tune_recurrent.json" 2>&1 | tee "$OUT/tune_recurrent.txt"

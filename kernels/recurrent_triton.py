@@ -36,16 +36,16 @@ CONV_BLOCK_C = 128
 STATE_TILE = 4096
 """Float32 elements of the state a delta-rule program holds ([Dk, BLOCK_DV]): 32 registers a
 thread at 4 warps."""
-CHUNKED_MIN_ROWS: int | None = 64 if os.environ.get("HIBANA_CHUNKED_DELTA", "0") != "0" else None
+CHUNKED_MIN_ROWS: int | None = None if os.environ.get("HIBANA_CHUNKED_DELTA", "1") == "0" else 64
 """Rows of a step's longest sequence (`gated_delta_rule`'s max_rows) from which the chunked kernel
-runs; None: never. Off until its first GPU check (written 2026-12-07 and checked in Triton's
-interpreter only; HIBANA_CHUNKED_DELTA=1 turns it on, as bench/run_h200.sh's hybrid stage does for
-gpu_correctness): a wrong kernel there would give every hybrid prompt wrong states. Decode and
-verify steps (1 to 17 rows a sequence, the steps CUDA graphs capture) stay token by token: few rows
-are few dependent steps, and a chunk's fixed work (its [C, C] inverse, dots of C rows however few
-are the sequence's) would buy little. A prefill chunk (hundreds of rows or more) goes chunked. 64
-leaves a margin above the longest verify step: 4 chunks of 16 against 64 steps of the loop
-(bench/tune_recurrent.py times both forms from 64 rows up)."""
+runs; None (HIBANA_CHUNKED_DELTA=0): never. Checked on an H100 on 2026-12-07 (the tiny Qwen3.5,
+Qwen3.5-MoE and Qwen3-Next give transformers' tokens with it; bench/tune_recurrent.py at
+qwen3.5-35b-a3b's layer: 2.8x the token loop at 64 rows, 4.3x from 4096, within 3e-7 of its state).
+Decode and verify steps (1 to 17 rows a sequence, the steps CUDA graphs capture) stay token by
+token: few rows are few dependent steps, and a chunk's fixed work (its [C, C] inverse, dots of C
+rows however few are the sequence's) would buy little. A prefill chunk (hundreds of rows or more)
+goes chunked. 64 leaves a margin above the longest verify step: 4 chunks of 16 against 64 steps of
+the loop (bench/tune_recurrent.py times both forms from 64 rows up)."""
 
 
 class ChunkTiles(NamedTuple):

@@ -500,7 +500,7 @@ def check_delta_rule_form_by_rows(device):
 
     chunked, token = run(impl.chunked_delta_rule), run(impl.gated_delta_rule)
     assert not torch.equal(chunked[1], token[1])
-    default = impl.CHUNKED_MIN_ROWS  # (None unless HIBANA_CHUNKED_DELTA turns the chunked form on)
+    default = impl.CHUNKED_MIN_ROWS  # (64 unless HIBANA_CHUNKED_DELTA=0 turns the chunked form off)
     try:
         impl.CHUNKED_MIN_ROWS = 64
         for max_rows, want in ((64, chunked), (63, token)):
