@@ -63,6 +63,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
                         tie_word_embeddings=False,
                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+    # Qwen/Qwen3.5-0.8B's language model (the draft model for a Qwen3.5 target: the small checkpoints
+    # sharing its tokenizer): 6 x (3 Gated DeltaNet + 1 gated attention) layers; attention 8 q / 2 kv
+    # heads of 256, a quarter of each rotated; linear attention 16 q/k heads, 16 v heads of 128; tied
+    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                         tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
     # google/gemma-3-12b-it's text model: 5 sliding (window 1024, theta 1e4) : 1 global layer
     # (theta 1e6, linear factor 8)
     "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
