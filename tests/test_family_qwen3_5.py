@@ -386,11 +386,87 @@ def test_weight_surgery_on_a_hybrid_model_is_guarded_and_matches_its_own_greedy(
     assert len(out) == 8
 
 
-def test_layer_skip_of_a_hybrid_model_is_refused_clearly(qwen35, make_engine):
-    from hibana_core.errors import ConfigError
+def layer_skip_engine(make_engine, path, monkeypatch, layers, **options):
+    """An engine drafting with layer_skip on the target's `layers` (the ranking, seconds of the
+    hybrid's forwards over the guard's text on the CPU, left out)."""
+    from hibana_core.surgery import layer_skip
 
-    with pytest.raises(ConfigError, match="linear-attention"):
-        make_engine(qwen35, speculation={"method": "layer_skip"})
+    monkeypatch.setattr(layer_skip, "layer_importance", lambda engine, documents: [0.0] * engine.model_args.num_layers)
+    monkeypatch.setattr(layer_skip, "choose_layers", lambda importance, keep: list(layers))
+    return make_engine(path, speculation={"method": "layer_skip", "k": 4}, **options)
+
+
+def assert_layer_skip_draft_of(engine, kept: list[int]) -> None:
+    """The draft runs the `kept` layers of the target on weights it shares, each mixer on the
+    draft's own caches at its place among the kept layers of its kind: attention layers on the
+    draft's KV (as many layers as it keeps), linear-attention layers on the draft's own state
+    slots (as many as it keeps); the target's layers are untouched."""
+    drafter = engine.core.speculation.drafter("layer_skip")
+    target, draft = engine.model.model.layers, drafter.runner.model.model.layers
+    linear = engine.model_args.linear_attention.layers
+    args = drafter.runner.model.args
+    assert drafter.layers == kept and args.num_layers == len(kept)
+    assert args.linear_attention.layers == tuple(linear[i] for i in kept)
+    assert drafter.kv_cache.layout.num_layers == args.num_kv_layers == sum(not linear[i] for i in kept)
+    assert len(drafter.ctx.recurrent.conv) == len(drafter.runner.model.recurrent_shapes) == sum(linear[i] for i in kept)
+    assert drafter.ctx.recurrent is not engine._ctx.recurrent and drafter.states is not engine.recurrent_slots
+    places = {True: 0, False: 0}
+    for old, layer in zip(kept, draft):
+        mine, theirs = (layer.linear_attn, target[old].linear_attn) if linear[old] else (layer.self_attn,
+                                                                                            target[old].self_attn)
+        assert mine.ctx is drafter.ctx and theirs.ctx is engine._ctx
+        assert (mine.index if linear[old] else mine.layer_idx) == places[linear[old]]
+        assert (theirs.index if linear[old] else theirs.layer_idx) == sum(linear[i] == linear[old] for i in range(old))
+        places[linear[old]] += 1
+        assert layer.mlp is target[old].mlp and all(a is b for a, b in zip(mine.parameters(), theirs.parameters()))
+
+
+@pytest.mark.parametrize("arch, kept", [("qwen3_5", [0, 3]), ("qwen3_5_moe", [0, 1, 3]), ("qwen3_next", [0, 3])])
+def test_layer_skip_of_a_hybrid_model_matches_transformers(arch, kept, qwen35, tmp_path, make_engine, monkeypatch):
+    """A hybrid target's layer-skip draft: the kept linear-attention layers hold states of their
+    own (in the draft's recurrent cache, a token short of each history, as a hybrid draft model's),
+    the kept attention layers KV of their own. Three agents at once, three turns each with
+    retention: the tokens of speculation off, and transformers'. qwen3_5 ranks its layers on the
+    guard's text (half of 4 layers: the first and the last, both linear: a draft with no KV at all);
+    the others keep layers across kinds, their places among the kept ones not the target's."""
+    path = qwen35 if arch == "qwen3_5" else make_tiny_checkpoint(arch, tmp_path / arch)
+    if arch == "qwen3_5":
+        engine = make_engine(path, speculation={"method": "layer_skip", "k": 4}, async_scheduling=True)
+    else:
+        engine = layer_skip_engine(make_engine, path, monkeypatch, kept, async_scheduling=True)
+    assert_layer_skip_draft_of(engine, kept)
+    rng = random.Random(3700 + len(arch))
+    plans = [[(random_tokens(rng, 24), 8), (random_tokens(rng, 6), 8), (random_tokens(rng, 4), 8)] for _ in range(3)]
+    agents = greedy_turns_at_once(engine, "ls", plans)
+    plain = greedy_turns_at_once(make_engine(path, speculation="off"), "off", plans)
+    for turns, off in zip(agents, plain):
+        for (history, completion), (_, without) in zip(turns, off):
+            assert list(completion.token_ids) == list(without.token_ids)
+            assert_greedy_matches(path, history, completion.token_ids)
+    summary, stats = engine.stats().speculation["drafters"]["layer_skip"], engine.stats()
+    assert summary["layers_kept"] == kept and stats.draft_tokens_proposed > 0
+    assert stats.prompt_tokens_reused > 0
+
+
+def test_a_hybrids_layer_skip_draft_of_every_layer_is_kept_and_follows_cut_histories(qwen35, make_engine,
+                                                                                     monkeypatch):
+    """Every layer kept: the draft computes what the target does, on its own states, so nearly
+    every draft is kept (a state shared with the target, or one a draft leaked into, would not
+    be); a history cut back (truncate) continues from the draft's snapshot or the start."""
+    with pytest.warns(UserWarning, match="keeps all 4 layers"):
+        engine = layer_skip_engine(make_engine, qwen35, monkeypatch, [0, 1, 2, 3], async_scheduling=True)
+    assert_layer_skip_draft_of(engine, [0, 1, 2, 3])
+    rng = random.Random(3710)
+    plans = [[(random_tokens(rng, 40), 10), (random_tokens(rng, 8), 10)] for _ in range(3)]
+    for turns in greedy_turns_at_once(engine, "all", plans):
+        for history, completion in turns:
+            assert_greedy_matches(qwen35, history, completion.token_ids)
+    h = engine.open_state("all-0")
+    h.truncate(30)  # before the prompt's end: the draft's state starts again
+    more = list(h.generate(greedy(8)).token_ids)
+    assert_greedy_matches(qwen35, h.tokens[:30], more)
+    stats = engine.stats()
+    assert stats.draft_tokens_accepted >= 0.9 * stats.draft_tokens_proposed > 0
 
 
 def hybrid_drafter(engine):

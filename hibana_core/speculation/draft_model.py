@@ -12,7 +12,8 @@
       trim      one read-back of all drafts; the draft KV keeps the history only
 
 A hybrid draft model (Qwen3.5's small ones for a Qwen3.5 target: the only checkpoints that share
-its tokenizer) keeps each state's linear-attention state in a slot of its own recurrent cache,
+its tokenizer; or a hybrid target's own layer-skip draft, `surgery.layer_skip`) keeps each state's
+linear-attention state in a slot of its own recurrent cache,
 valid at the history's end but one: catching up stops a token short, each drafting state's slot is
 copied to a scratch slot, and the last history token and the drafts run there (the live state
 never takes in a draft, and no history token is computed twice). Idle states give their slots
@@ -170,6 +171,8 @@ def draft_reserve(engine: Any, kv_dtype: torch.dtype) -> DraftReserve | None:
         from hibana_core.surgery.layer_skip import DEFAULT_KEEP, kept_count
 
         weights, args = 0, engine.model_args
+        # every kept layer counted as an attention layer (which a hybrid's are is known once ranked): its
+        # kept linear-attention layers' fewest state slots take less than a sequence's KV of a layer
         layers = kept_count(args.num_layers, DEFAULT_KEEP)
     bs = engine.config.cache.block_size
     max_len = min(engine.max_model_len, args.max_position_embeddings)
@@ -248,7 +251,9 @@ class DraftModelDrafter:
         per_block = KVCache.bytes_per_block(layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
         agent_bytes = int(kv_share * engine.kv_cache.nbytes)  # its KV, and a hybrid's states in part of it
         self.states = self._recurrent_cache(loaded, agent_bytes, sched.max_concurrent_agents, engine.device)
-        if num_blocks is None:
+        if num_blocks is None and not per_block:  # no attention layer (a hybrid's layer-skip draft of linear
+            num_blocks = engine.pool.num_blocks  # layers alone): its blocks take no memory, they only count positions
+        elif num_blocks is None:
             share = (agent_bytes - (0 if self.states is None else self.ctx.recurrent.nbytes)) // per_block
             num_blocks = min(engine.pool.num_blocks, max(share, least_blocks(self.max_len, bs)))
         try:

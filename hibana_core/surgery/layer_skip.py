@@ -7,12 +7,18 @@
     keep     the first and the last layer always, then the most important of the rest, so that
              a `keep` share of the layers remains (default half)
     draft    a shallow copy of the model that shares every weight (packed ones too) and runs the
-             kept layers on its own ForwardContext, so its KV (kept layers only) lives in its own
-             cache; it drafts through `DraftModelDrafter` (its argmax, or for unseeded sampled
-             requests a draw from its own distribution; verification stays lossless either
-             way: output is the target's own)
+             kept layers on its own ForwardContext, so its KV (kept attention layers only) lives
+             in its own cache; it drafts through `DraftModelDrafter` (its argmax, or for unseeded
+             sampled requests a draw from its own distribution; verification stays lossless
+             either way: output is the target's own)
 
-No weights are added: the draft costs its KV and about `keep` of a target forward per token.
+A hybrid target's kept linear-attention layers (Qwen3.5's, Qwen3-Next's Gated DeltaNet) fold a
+history into a state that depends on every layer below them, so the draft's states differ from
+the target's even for the layers both run: they live in the draft's own recurrent cache, as a
+hybrid draft model's do (`DraftModelDrafter`: a token short of each history, drafting on copies).
+
+No weights are added: the draft costs its KV (and a hybrid's states) and about `keep` of a target
+forward per token.
 Used as `speculation={"method": "layer_skip", "k": 4}`.
 """
 
@@ -35,10 +41,19 @@ DEFAULT_KEEP = 0.5
 
 def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or not all(hasattr(l, "self_attn") for l in layers):
+    if not isinstance(layers, torch.nn.ModuleList) or not all(_mixer_name(l) for l in layers):
         raise ConfigError(f"the layer-skip self-draft needs a decoder of the llama kind (model.layers[i]."
-                          f"self_attn); {type(model).__name__} is not one; use speculation method 'suffix'")
+                          f"self_attn, or a hybrid's linear_attn); {type(model).__name__} is not one; use "
+                          "speculation method 'suffix'")
     return layers
+
+
+def _mixer_name(layer: torch.nn.Module) -> str | None:
+    """The attribute of a decoder layer's token mixer: its attention, or a hybrid model's
+    linear-attention layer (`DecoderLayer.linear`); None for a layer of another kind."""
+    if getattr(layer, "linear", False) and hasattr(layer, "linear_attn"):
+        return "linear_attn"
+    return "self_attn" if hasattr(layer, "self_attn") else None
 
 
 def layer_importance(engine: Any, documents: list[list[int]]) -> list[float]:
@@ -82,40 +97,52 @@ def choose_layers(importance: list[float], keep: float) -> list[int]:
     return sorted({0, n - 1, *middle})
 
 
-def shallow_model(model: torch.nn.Module, keep: list[int], ctx: ForwardContext) -> torch.nn.Module:
-    """A copy of `model` sharing its weights, with only the `keep` layers, on `ctx`."""
+def shallow_model(model: torch.nn.Module, keep: list[int], ctx: ForwardContext, args: Any) -> torch.nn.Module:
+    """A copy of `model` sharing its weights, with only the `keep` layers, on `ctx`; `args` its
+    DecoderArgs (`kept_args`), from which it declares its KV layers and (a hybrid's) states.
+    Each kept mixer addresses the draft's caches by its place among the kept layers of its kind:
+    an attention layer its KV layer, a linear-attention layer its state's tensors."""
     def clone(module: torch.nn.Module) -> torch.nn.Module:
         twin = copy.copy(module)
         twin._modules, twin._parameters, twin._buffers = (dict(module._modules), dict(module._parameters),
                                                           dict(module._buffers))
         return twin
 
-    layers = []
-    for new_index, old_index in enumerate(keep):
+    layers, counts = [], {"self_attn": 0, "linear_attn": 0}
+    for old_index in keep:
         layer = clone(model.model.layers[old_index])
-        attention = clone(layer.self_attn)
-        attention.ctx, attention.layer_idx = ctx, new_index
-        layer.self_attn = attention
+        name = _mixer_name(layer)
+        mixer = clone(getattr(layer, name))
+        mixer.ctx = ctx
+        if name == "self_attn":
+            mixer.layer_idx = counts[name]
+        else:
+            mixer.index, mixer.verified = counts[name], None
+        counts[name] += 1
+        setattr(layer, name, mixer)
         layers.append(layer)
     top, inner = clone(model), clone(model.model)
     inner.layers = torch.nn.ModuleList(layers)
-    top.model = inner
+    top.model, top.args = inner, args
     return top
 
 
 def kept_args(args: Any, keep: list[int]) -> Any:
     """The target's DecoderArgs for the `keep` layers only: the per-layer fields (rotary, sliding
-    window, sparse or dense MLP) follow their layers."""
+    window, sparse or dense MLP, a hybrid's linear or full attention) follow their layers."""
     def pick(values):
         return tuple(values[i] for i in keep)
 
     moe = None if args.moe is None else dataclasses.replace(args.moe, layers=pick(args.moe.layers))
+    linear = args.linear_attention
+    linear = None if linear is None else dataclasses.replace(linear, layers=pick(linear.layers))
     return dataclasses.replace(args, num_layers=len(keep), ropes=pick(args.ropes),
-                               sliding_windows=pick(args.sliding_windows), moe=moe)
+                               sliding_windows=pick(args.sliding_windows), moe=moe, linear_attention=linear)
 
 
 class LayerSkipDrafter(DraftModelDrafter):
-    """`DraftModelDrafter` on the target's own layers (a `keep` share of them)."""
+    """`DraftModelDrafter` on the target's own layers (a `keep` share of them); a hybrid target's
+    draft keeps its own states for the linear-attention layers it runs, as a hybrid draft model."""
 
     method = "layer_skip"
 
@@ -124,10 +151,6 @@ class LayerSkipDrafter(DraftModelDrafter):
         from hibana_core.surgery.guard import heldout_documents
 
         check_reserved(engine, self.method)
-        if getattr(engine.model, "recurrent_shapes", None):
-            raise ConfigError(f"layer_skip drafts with the target's own layers, and {engine.model_args.model_type}'s "
-                              "linear-attention layers carry one state per agent, which a draft cannot share; use "
-                              "speculation='adaptive' (suffix drafts) or a draft_model without such layers")
         n = engine.model_args.num_layers
         if layers is None:
             if not 0 < keep < 1:
@@ -142,8 +165,8 @@ class LayerSkipDrafter(DraftModelDrafter):
                           "forward of the target; suffix or ngram drafting costs next to nothing", stacklevel=2)
         self.layers = list(layers)
         ctx = ForwardContext()
-        model = shallow_model(engine.model, self.layers, ctx)
         args = kept_args(engine.model_args, self.layers)
+        model = shallow_model(engine.model, self.layers, ctx, args)
         loaded = LoadedModel(model, args, engine.hf_config, engine.tokenizer, tuple(engine.eos_token_ids),
                              engine.dtype, 0, "")
         super().__init__(engine, model=f"layer_skip({len(self.layers)}/{n} layers)", num_blocks=num_blocks,
