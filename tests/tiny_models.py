@@ -520,7 +520,7 @@ def make_mxfp4_checkpoint(source, path) -> Path:
     return path
 
 
-IMAGE_TEXT_TYPES = ("mistral3", "qwen3_vl", "qwen3_5")
+IMAGE_TEXT_TYPES = ("mistral3", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 """Multimodal checkpoints that transformers keeps out of AutoModelForCausalLM: their
 image-text-to-text class generates from text alone."""
 

@@ -56,6 +56,9 @@ def args_from_config(config: Any) -> DecoderArgs:
     if unknown:
         raise UnsupportedModelError(f"layer_types {unknown} are not supported; Qwen3.5 models have "
                                     f"{' and '.join(LAYER_TYPES)} layers")
+    if "full_attention" not in layer_types:  # (the KV cache, its blocks and prefix index, needs a layer)
+        raise UnsupportedModelError(f"{config.model_type} with no full_attention layer (layer_types all "
+                                    "linear_attention) is not supported; Hibana serves hybrids with at least one")
     linear = LinearAttentionArgs(layers=tuple(kind == "linear_attention" for kind in layer_types),
                                  num_key_heads=text.linear_num_key_heads, num_value_heads=text.linear_num_value_heads,
                                  key_head_dim=text.linear_key_head_dim, value_head_dim=text.linear_value_head_dim,
@@ -77,7 +80,7 @@ def args_from_config(config: Any) -> DecoderArgs:
                       layers=sparse_layers(text))
     multimodal = {} if text is config else dict(model_type=config.model_type, checkpoint_prefixes=MULTIMODAL_PREFIXES,
                                                 tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-    return DecoderArgs.from_config(text, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True,
+    return DecoderArgs.from_config(text, mlp_bias=False, qk_norm=True,  # attention biases: attention_bias's
                                    unit_offset_norms=True, attention_output_gate=True, partial_rotary=True,
                                    sliding_windows=(None,) * text.num_hidden_layers, linear_attention=linear,
                                    checkpoint_other_parts=OTHER_PARTS, moe=moe, **multimodal)

@@ -1,0 +1,152 @@
+"""Audit of the hybrid families (qwen3_5, qwen3_5_moe, qwen3_next) on configs unlike those of
+test_family_qwen3_5.py: each tiny seeded checkpoint changes what that file keeps fixed, and the
+engine must still give transformers' greedy tokens through batching, chunked prefill, retention,
+truncation and state files.
+
+    first_full   qwen3_5: full attention at layers 0 and 3, one key head serving 4 value heads,
+                 key heads of 32 dims and value heads of 64, a convolution of width 2, one KV
+                 head of 64 dims, half of each head rotated, tied embeddings, vocab 517
+    one_linear   qwen3_5: 3 layers, linear attention at 1 only, as many key as value heads, key
+                 heads of 64 dims and value heads of 32, width 3, heads of 256 dims, YaRN
+    next_step2   qwen3_next: layer_types from full_attention_interval 3, one key head serving 4
+                 value heads, sparse layers by decoder_sparse_step 2, norm_topk_prob off, tied,
+                 vocab 515
+    moe_mm       qwen3_5_moe as its multimodal checkpoint (text_config nested), top-3 experts,
+                 width 2, tied
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from hibana_core import SamplingParams
+from hibana_core.errors import StateFileError, UnsupportedModelError
+from tiny_models import (EVERY_TENSOR_USED, VOCAB_SIZE, _save_seeded, assert_greedy_matches, greedy_turns_at_once,
+                         make_config, make_tiny_checkpoint, random_tokens)
+
+pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
+
+L, F = "linear_attention", "full_attention"
+VARIANTS = {
+    "first_full": ("qwen3_5", dict(
+        layer_types=[F, L, L, F], linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=64, linear_conv_kernel_dim=2, num_key_value_heads=1, head_dim=64,
+        tie_word_embeddings=True, vocab_size=517,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    "one_linear": ("qwen3_5", dict(
+        num_hidden_layers=3, layer_types=[F, L, F], linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=64, linear_value_head_dim=32, linear_conv_kernel_dim=3, head_dim=256,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, partial_rotary_factor=0.25, factor=4.0,
+                             original_max_position_embeddings=256))),
+    "next_step2": ("qwen3_next", dict(
+        num_hidden_layers=3, layer_types=None, full_attention_interval=3, linear_num_key_heads=1,
+        linear_num_value_heads=4, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False,
+        tie_word_embeddings=True, vocab_size=515)),
+}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def make_moe_multimodal(path: Path) -> Path:
+    """A Qwen3_5MoeForConditionalGeneration checkpoint (every Qwen3.5 MoE release): the tiny
+    qwen3_5_moe language model as text_config, beside a one-layer vision tower."""
+    from transformers import Qwen3_5MoeConfig
+
+    text = make_config("qwen3_5_moe", tie_word_embeddings=True, linear_conv_kernel_dim=2,
+                       num_experts_per_tok=3).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, out_hidden_size=64,
+                  num_position_embeddings=16)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=VOCAB_SIZE - 1,
+                              video_token_id=VOCAB_SIZE - 2, vision_start_token_id=VOCAB_SIZE - 3,
+                              vision_end_token_id=VOCAB_SIZE - 4, tie_word_embeddings=True)
+    return _save_seeded(config, path, 1234)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> its checkpoint, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            if name == "moe_mm":
+                made[name] = make_moe_multimodal(root / name)
+            else:
+                arch, overrides = VARIANTS[name]
+                made[name] = make_tiny_checkpoint(arch, root / name, **overrides)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", [*VARIANTS, "moe_mm"])
+def test_hybrid_variants_batched_chunked_truncated_and_saved_match_transformers(name, checkpoints, make_engine,
+                                                                                 tmp_path):
+    """Three agents at once, three turns each, prefill chunks of 24 tokens under a step budget of
+    40 (chunk ends inside and across 16-token blocks); then a cut inside the last reply, and the
+    state saved and loaded into another engine, each continuing as transformers does."""
+    path = checkpoints(name)
+    options = dict(max_prefill_chunk=24, max_num_batched_tokens=40)
+    engine = make_engine(path, **options)
+    rng = random.Random(name)
+    plans = [[(random_tokens(rng, rng.randint(20, 60)), 6), (random_tokens(rng, rng.randint(3, 25)), 6),
+              (random_tokens(rng, rng.randint(1, 10)), 6)] for _ in range(3)]
+    for turns in greedy_turns_at_once(engine, name, plans):
+        for history, completion in turns:
+            assert_greedy_matches(path, history, completion.token_ids)
+    assert engine.stats().prompt_tokens_reused > 0
+
+    h = engine.open_state(f"{name}-0")
+    history = h.tokens
+    h.truncate(len(history) - 3)  # inside the last reply: back to a snapshot, or the start
+    out = list(h.generate(greedy(5)).token_ids)
+    assert_greedy_matches(path, history[:-3], out)
+    history = history[:-3] + out
+    h.save(tmp_path / "s.hibana")
+    loaded = make_engine(path, **options).load_state(tmp_path / "s.hibana")
+    assert loaded.tokens == history
+    more = history + random_tokens(rng, 4)
+    done = loaded.generate(greedy(5), prompt=more)
+    assert_greedy_matches(path, more, done.token_ids)
+    assert done.stats.computed == 5  # the new tokens and the last one generated: the state came back whole
+
+
+def test_a_hybrid_state_file_is_refused_by_another_hybrid_model(checkpoints, make_engine, tmp_path):
+    engine = make_engine(checkpoints("first_full"))
+    h = engine.open_state("s")
+    h.generate(greedy(3), prompt=list(range(5, 40)))
+    h.save(tmp_path / "s.hibana")
+    other = make_engine(checkpoints("one_linear"))
+    with pytest.raises(StateFileError):
+        other.load_state(tmp_path / "s.hibana")
+    history = list(range(7, 30))  # the engine that refused it serves on
+    assert_greedy_matches(checkpoints("one_linear"), history,
+                          other.open_state("t").generate(greedy(4), prompt=history).token_ids)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_attention_biases_of_a_hybrid_config_are_read(arch, tmp_path, make_engine):
+    """attention_bias true: transformers' q/k/v/o projections of the full-attention layers carry
+    biases (q_proj's with its gate rows); the engine left them out (a warning that tensors went
+    unused, then other tokens)."""
+    path = make_tiny_checkpoint(arch, tmp_path / arch, attention_bias=True)
+    engine = make_engine(path, speculation="off")
+    assert engine.model.args.qkv_bias and engine.model.args.o_bias
+    history = random_tokens(random.Random(7), 30)
+    assert_greedy_matches(path, history, engine.open_state("b").generate(greedy(8), prompt=history).token_ids)
+
+
+def test_a_hybrid_config_without_full_attention_layers_is_refused_clearly(tmp_path):
+    """layer_types all linear_attention (transformers runs it): an UnsupportedModelError at load,
+    not a bare ValueError from deep in the KV layout."""
+    from tiny_models import open_engine
+
+    path = make_tiny_checkpoint("qwen3_5", tmp_path / "linear", num_hidden_layers=2, layer_types=[L, L])
+    with pytest.raises(UnsupportedModelError, match="full_attention"):
+        open_engine(path)
