@@ -190,12 +190,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    glu: str | None = None, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual), or (linear(rms_norm(x)), x) without a
     residual: one kernel where `hibana_kernels.fusion` folds the norm into the GEMV (`glu` as
-    `linear`'s)."""
+    `linear`'s; `unit_offset`: Gemma's norm, as `rms_norm`'s)."""
     impl = _triton("matmul", x) or matmul
-    return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, glu)
+    return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, glu, unit_offset)
 
 
 def folds_glu(x: torch.Tensor, weight: torch.Tensor, glu: str) -> bool:

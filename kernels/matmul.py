@@ -24,13 +24,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    glu: str | None = None, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual): a decoder layer's residual add, the norm
-    after it and the projection after that (`glu` as `linear`'s). Without a residual:
-    (linear(rms_norm(x)), x)."""
+    after it and the projection after that (`glu` as `linear`'s; `unit_offset`: Gemma's norm, by
+    1 + weight). Without a residual: (linear(rms_norm(x)), x)."""
     if residual is None:
-        return linear(norm.rms_norm(x, norm_weight, eps), weight, bias, glu), x
-    normed, residual = norm.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return linear(norm.rms_norm(x, norm_weight, eps, unit_offset), weight, bias, glu), x
+    normed, residual = norm.fused_add_rms_norm(x, residual, norm_weight, eps, unit_offset)
     return linear(normed, weight, bias, glu), residual
 
 

@@ -169,11 +169,14 @@ def _stream_tile(x_ptr, res_ptr, offs_m, offs_k, mask, stride_xm, stride_rm,
 
 
 @triton.jit
-def _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask):
+def _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask, UNIT_OFFSET: tl.constexpr):
     """The RMSNorm of a row tile given its scale, rounded as `_rms_norm_kernel` does: to the
-    input dtype, then times the weight (of that dtype) and rounded again."""
-    normed = (s.to(tl.float32) * inv_rms[:, None]).to(s.dtype).to(tl.float32)
+    input dtype, then times the weight (of that dtype) and rounded again; UNIT_OFFSET (Gemma's):
+    times 1 + weight in float32, rounded once."""
     nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        return ((s.to(tl.float32) * inv_rms[:, None]) * (1.0 + nw[None, :])).to(s.dtype).to(tl.float32)
+    normed = (s.to(tl.float32) * inv_rms[:, None]).to(s.dtype).to(tl.float32)
     return (nw[None, :] * normed).to(s.dtype).to(tl.float32)
 
 
@@ -182,9 +185,10 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
                       M, N, K, stride_xm, stride_rm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      ONE_TILE: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = 0):
+                      ONE_TILE: tl.constexpr, PDL: tl.constexpr, GLU: tl.constexpr = 0,
+                      UNIT_OFFSET: tl.constexpr = False):
     """y = rms_norm(x + residual) @ W^T + b (GLU: act(gate) * up of it, y [M, N] of a [2N, K]
-    weight); program 0 also writes x + residual [M, K]."""
+    weight; UNIT_OFFSET: Gemma's norm); program 0 also writes x + residual [M, K]."""
     pid = tl.program_id(0)
     rows, n_mask = _output_rows(pid, N, BLOCK_N, GLU)
     offs_m = tl.arange(0, BLOCK_M)
@@ -203,7 +207,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
                 tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], s, mask=mask)
         sf = s.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(sf * sf, 1) / K + eps)
-        x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)
+        x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask, UNIT_OFFSET)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:  # the statistic in a first pass over the row, from the caches
         wait_for_previous(PDL)
@@ -224,7 +228,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, 
             if HAS_RESIDUAL:
                 if pid == 0:
                     tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], s, mask=mask)
-            x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)
+            x = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask, UNIT_OFFSET)
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -352,10 +356,10 @@ def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                            eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                           block_n: int, block_k: int, num_warps: int, glu: str | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           block_n: int, block_k: int, num_warps: int, glu: str | None = None,
+                           unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm-then-GEMV kernel with its tiles chosen by the caller (tests, tuning); `glu` as
-    `linear_launch`'s."""
+    `linear_launch`'s; `unit_offset`: Gemma's norm."""
     n, k = weight.shape
     width = _glu_width(n, block_n, glu)
     x2 = _rows(x, k)
@@ -368,7 +372,7 @@ def rms_norm_linear_launch(x: torch.Tensor, residual: torch.Tensor | None, norm_
         m, width, k, x2.stride(0), res2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=k > 0 and k % block_k == 0,
-        ONE_TILE=k <= block_k, GLU=GLU_CODES.get(glu, 0), num_warps=num_warps,
+        ONE_TILE=k <= block_k, GLU=GLU_CODES.get(glu, 0), UNIT_OFFSET=unit_offset, num_warps=num_warps,
         **pdl.launch_args(x.device, "gemv", triton.cdiv(n, block_n)))
     return y.view(*x.shape[:-1], width), res_out
 
@@ -412,7 +416,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    glu: str | None = None, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See `hibana_kernels.matmul.rms_norm_linear`: one launch for one row where the fusion
     policy takes the layer's width, else the norm kernel and `linear`."""
     n, k = weight.shape
@@ -420,11 +424,12 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
         tiles = _norm_gemv_tiles or _whole_rows_config(n, k)
         inside = _inside(glu, n, tiles[0])
-        y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *tiles, glu=inside)
+        y, residual = rms_norm_linear_launch(x, residual, norm_weight, eps, weight, bias, *tiles, glu=inside,
+                                             unit_offset=unit_offset)
         return _activated(y, None if inside else glu), residual
     if residual is None:
-        return linear(norm_triton.rms_norm(x, norm_weight, eps), weight, bias, glu), x
-    normed, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return linear(norm_triton.rms_norm(x, norm_weight, eps, unit_offset), weight, bias, glu), x
+    normed, residual = norm_triton.fused_add_rms_norm(x, residual, norm_weight, eps, unit_offset)
     return linear(normed, weight, bias, glu), residual
 
 

@@ -86,6 +86,18 @@ def _rows_of(qsl_ptr, skip_ptr, seq, SKIP: tl.constexpr):
 
 
 @triton.jit
+def _zero_rows(ptr, stride_t, cols, cmask, first, start, stop, end):
+    """Zeros into rows [first, start) (a sequence's skipped padding) and [stop, end) (its rows, where
+    it has no slot), at `cols`: a program's share of the rows it does not compute, so the output
+    needs no fill launch before it."""
+    zeros = tl.zeros(cols.shape, dtype=ptr.dtype.element_ty)
+    for t in range(first, start):
+        tl.store(ptr + t * stride_t + cols, zeros, mask=cmask)
+    for t in range(stop, end):
+        tl.store(ptr + t * stride_t + cols, zeros, mask=cmask)
+
+
+@triton.jit
 def _inputs(x_ptr, state_row, c, cm, pos, valid, start, has, stride_x, K: tl.constexpr):
     """The inputs at absolute rows `pos` [N] (where `valid`, else zero) and channels c [BLOCK_C]
     -> [BLOCK_C, N] in x's dtype: a row of the sequence (pos >= start), else its slot's previous
@@ -113,10 +125,11 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, copy_ptr, slots_ptr, h
                  stride_x, stride_out, stride_copy, stride_ss, stride_sc, C,
                  K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr, WRITE: tl.constexpr, SKIP: tl.constexpr,
-                 COPY_X: tl.constexpr):
+                 COPY_X: tl.constexpr, ZERO_OTHERS: tl.constexpr):
     """Program (sequence, channel block): its output rows, then (WRITE) its slot's new state.
     Each row reads its K inputs back from x and the state (cached): no window to shift. SKIP: the
-    sequence's rows start skip[seq] rows in; COPY_X: its rows of x are copied to copy_ptr."""
+    sequence's rows start skip[seq] rows in; COPY_X: its rows of x are copied to copy_ptr;
+    ZERO_OTHERS: its rows it does not compute (skipped, or all where it has no slot) get zeros."""
     seq = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
@@ -131,7 +144,9 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, copy_ptr, slots_ptr, h
     bias = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    stop = tl.where(slot >= 0, end, start)  # no slot: no rows (the output is zeros already)
+    stop = tl.where(slot >= 0, end, start)  # no slot: no rows
+    if ZERO_OTHERS:
+        _zero_rows(out_ptr, stride_out, c, cm, tl.load(qsl_ptr + seq).to(tl.int64), start, stop, end)
     for t in range(start, stop):
         inputs = _inputs(x_ptr, state_row, c, cm, t - (K - 1) + j, j < K, start, has, stride_x, K)
         # as transformers: inputs cast to the weight's dtype, the conv and activation rounded there
@@ -168,7 +183,7 @@ def _conv_advance_kernel(x_ptr, state_ptr, slots_ptr, has_ptr, qsl_ptr, skip_ptr
 def _state_slice(state_ptr, slots_ptr, has_ptr, seq, hv, dk, dv, dkm, dvm, start, end, stride_ss, stride_sh,
                  stride_sk):
     """A delta-rule program's slice of its sequence's state: (stop: the end of the rows it runs, its
-    start where the sequence has no slot (its output stays zeros); the slice's pointers and mask;
+    start where the sequence has no slot (its rows get zeros); the slice's pointers and mask;
     the slice [BLOCK_DK, BLOCK_DV] float32, zeros for a fresh sequence)."""
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     has = tl.load(has_ptr + seq) != 0
@@ -193,8 +208,9 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
                        BLOCK_DV: tl.constexpr, ADVANCE: tl.constexpr, WRITE: tl.constexpr, SKIP: tl.constexpr):
     """Program (sequence, v head, Dv block): the state's [Dk, BLOCK_DV] slice, token by token.
     ADVANCE: `gated_delta_advance`, the first counts[seq] rows and no output; else
-    `gated_delta_rule`, every row with its output, the state kept where WRITE. SKIP: the
-    sequence's rows start skip[seq] rows in."""
+    `gated_delta_rule`, every row with its output (zeros in the rows it skips, or all where the
+    sequence has no slot), the state kept where WRITE. SKIP: the sequence's rows start skip[seq]
+    rows in."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
@@ -206,6 +222,9 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
         end = start + tl.maximum(tl.minimum(tl.load(counts_ptr + seq), end - start), 0)
     stop, s_ptrs, smask, s = _state_slice(state_ptr, slots_ptr, has_ptr, seq, hv, dk, dv, dkm, dvm, start, end,
                                           stride_ss, stride_sh, stride_sk)
+    if not ADVANCE:
+        _zero_rows(out_ptr + hv * stride_oh, stride_ot, dv, dvm, tl.load(qsl_ptr + seq).to(tl.int64), start, stop,
+                   end)
     for t in range(start, stop):
         k = _unit_row(k_ptr + t * stride_kt + hk * stride_kh, dk, dkm)
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + dv, mask=dvm, other=0.0).to(tl.float32)
@@ -430,7 +449,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     check_activation(activation)
     x, weight, conv_state = _rows(x), weight.contiguous(), _in_place(conv_state)
     channels, width = weight.shape
-    y = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if out is None else _in_place(out)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else _in_place(out)
     copy = y if x_copy is None else _in_place(x_copy)  # (any pointer: not written without COPY_X)
     grid, block = _conv_grid(slots.shape[0], channels)
     if grid[0]:
@@ -441,7 +460,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                            BLOCK_C=block, BLOCK_K=triton.next_power_of_2(width),
                            BLOCK_W=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
                            SILU=activation == "silu", WRITE=write, SKIP=skip is not None,
-                           COPY_X=x_copy is not None)
+                           COPY_X=x_copy is not None, ZERO_OTHERS=out is None)
     return y
 
 
@@ -468,7 +487,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     kernel (`chunked_delta_rule`); else, or None, the token-by-token one."""
     if max_rows is not None and CHUNKED_MIN_ROWS is not None and max_rows >= CHUNKED_MIN_ROWS:
         return chunked_delta_rule(q, k, v, g, beta, state, slots, has_state, query_start_loc, write, skip)
-    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (the kernel writes every row: zeros where none)
     _delta_rule(q, k, v, g, beta, state, o, slots, has_state, query_start_loc, slots, write, advance=False,
                 skip=skip)
     return o

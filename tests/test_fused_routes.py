@@ -16,7 +16,7 @@ from tiny_models import assert_greedy_matches, make_tiny_checkpoint
 @pytest.mark.parametrize("arch, overrides, glu", [
     ("llama", {}, "silu"),  # after the foldable norm: `rms_norm_linear(..., glu=)`
     ("qwen2", dict(hidden_act="gelu_pytorch_tanh"), "gelu_tanh"),
-    ("gemma3", {}, "gelu_tanh"),  # after Gemma's norm, which does not fold: `linear(..., glu=)`
+    ("gemma3", {}, "gelu_tanh"),  # after Gemma's norm (by 1 + weight): `rms_norm_linear(..., glu=, unit_offset=True)`
 ])
 def test_the_mlp_activation_in_the_gate_up_gemv_matches_transformers(tmp_path, make_engine, monkeypatch, arch,
                                                                      overrides, glu):

@@ -729,26 +729,29 @@ def _fused_inputs(dtype, device, rows, n, k, bias, seed):
     return gen, x, w, b
 
 
-def check_rms_norm_linear(device, dtype, rows, n, k, bias, residual, tiles):
+def check_rms_norm_linear(device, dtype, rows, n, k, bias, residual, tiles, unit_offset=False):
     """The norm-then-GEMV (through the dispatcher, `tiles` None, or forced with those tiles)
     against the references composed: the norm in `dtype`, the product in float64; and against
-    the separate Triton kernels (fusion off). The new residual is exact."""
+    the separate Triton kernels (fusion off). The new residual is exact. unit_offset: Gemma's norm
+    (by 1 + weight, a weight near zero)."""
     triton_matmul = _triton_module("matmul")
     gen, x, w, b = _fused_inputs(dtype, device, rows, n, k, bias, seed=rows * n + k + residual)
     res = torch.randn(rows, k, generator=gen).to(dtype).to(device) if residual else None
-    norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(device)
-    normed, ref_res = (norm.fused_add_rms_norm(x, res, norm_weight, 1e-6) if residual
-                       else (norm.rms_norm(x, norm_weight, 1e-6), x))
+    norm_weight = (int(not unit_offset) + torch.randn(k, generator=gen) / 4).to(dtype).to(device)
+    normed, ref_res = (norm.fused_add_rms_norm(x, res, norm_weight, 1e-6, unit_offset) if residual
+                       else (norm.rms_norm(x, norm_weight, 1e-6, unit_offset), x))
     ref = matmul.linear(normed.double(), w.double(), None if b is None else b.double())
     if tiles is None:
-        out, new_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b)
+        out, new_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b, unit_offset=unit_offset)
     else:
-        out, new_res = triton_matmul.rms_norm_linear_launch(x, res, norm_weight, 1e-6, w, b, *tiles)
+        out, new_res = triton_matmul.rms_norm_linear_launch(x, res, norm_weight, 1e-6, w, b, *tiles,
+                                                            unit_offset=unit_offset)
     assert out.shape == (rows, n) and out.dtype == dtype and new_res.shape == x.shape
     torch.testing.assert_close(out.double(), ref, **TOLERANCE[dtype])
     torch.testing.assert_close(new_res, ref_res, **_exact(device, dtype))
     with fusion.using("off"):
-        separate, separate_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b)
+        separate, separate_res = triton_matmul.rms_norm_linear(x, res, norm_weight, 1e-6, w, b,
+                                                               unit_offset=unit_offset)
     torch.testing.assert_close(out, separate, **TOLERANCE[dtype])
     torch.testing.assert_close(new_res, separate_res, atol=0, rtol=0)
 
@@ -1434,6 +1437,15 @@ def test_rms_norm_linear(run_check, dtype, rows, n, k, bias, residual, tiles):
         tiles = None  # float32 takes the separate kernels; checked through the dispatcher
     run_check(check_rms_norm_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias,
               residual=residual, tiles=tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows, n, k, bias, residual, tiles", [NORM_LINEAR_CASES[i] for i in (0, 2, 3, 5)],
+                         ids=["one-tile", "no-residual", "steps", "rows"])
+def test_rms_norm_linear_unit_offset(run_check, dtype, rows, n, k, bias, residual, tiles):
+    """Gemma's and Qwen3.5's norm (by 1 + weight) folded into the GEMV: as the separate kernels."""
+    run_check(check_rms_norm_linear, dtype=dtype, rows=rows, n=n, k=k, bias=bias,
+              residual=residual, tiles=tiles, unit_offset=True)
 
 
 SILU_LINEAR_CASES = [(1, 96, 64, False, None), (1, 37, 100, True, None), (1, 40, 300, True, (2, 128, 4)),

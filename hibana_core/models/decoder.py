@@ -391,9 +391,11 @@ class DecoderArgs:
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm: the fused kernels (`rms_norm_linear`, the attention prologue) take its weight."""
+    """Llama's RMSNorm: the fused kernels (`rms_norm_linear`, the attention prologue, the router's
+    fold) take its weight."""
 
-    fusable = True  # `rms_norm_linear` can fold it
+    fusable = True  # every fold takes it (`moe_norm_route` only Llama's)
+    gemv_fold = True  # `rms_norm_linear` can fold it
     unit_offset = False  # Gemma's (1 + weight): UnitOffsetRMSNorm
     cast_last = False  # gpt-oss's product in float32: CastLastRMSNorm
 
@@ -411,8 +413,8 @@ class RMSNorm(nn.Module):
 
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight) all in float32, then cast to
-    x's dtype (Llama's casts before the product). `rms_norm_linear` takes only Llama's
-    arithmetic; the attention prologue takes both."""
+    x's dtype (Llama's casts before the product). `rms_norm_linear` and the attention prologue
+    take both arithmetics, the router's fold only Llama's."""
 
     fusable = False
     unit_offset = True
@@ -424,6 +426,7 @@ class CastLastRMSNorm(RMSNorm):
     `rms_norm_linear`, the router's fold nor the attention prologue takes it."""
 
     fusable = False
+    gemv_fold = False
     cast_last = True
 
 
@@ -432,6 +435,7 @@ class NoNorm(nn.Module):
     stream as it is; with a residual, (x + residual, x + residual), as the norms' fused add gives."""
 
     fusable = False
+    gemv_fold = False
     unit_offset = False
     cast_last = False
     weight = None
@@ -498,13 +502,14 @@ class Linear(nn.Linear):
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                    glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual); without a residual (self(norm(x)), x).
-        A dense weight after a fusable norm takes `kernels.rms_norm_linear`, one launch where
-        the GEMV folds the norm in. `glu` (a dense fused gate/up weight): act(gate) * up of the
-        projection (`kernels.linear`'s glu)."""
+        A dense weight after a norm `rms_norm_linear` takes (Llama's, Gemma's) goes there, one
+        launch where the GEMV folds the norm in. `glu` (a dense fused gate/up weight): act(gate)
+        * up of the projection (`kernels.linear`'s glu)."""
         if glu is not None and self.kind != "dense":
             raise ValueError(f"a {self.kind} weight has no GLU epilogue: apply the activation after it")
-        if self.kind == "dense" and norm.fusable:
-            return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu)
+        if self.kind == "dense" and norm.gemv_fold:
+            return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, glu,
+                                           norm.unit_offset)
         # the norm's launch writes x's int8 codes for the GEMV (a norm weight of x's dtype: the
         # norm's output dtype is then x's, which the GEMV's output keeps)
         if norm.weight is not None and norm.weight.dtype == x.dtype and self.folds_a8(x, x.shape[-1]):
