@@ -274,6 +274,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (_triton("activation", gate_up) or activation).silu_and_mul(gate_up)
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) of an attention output x [T, H, D] and its gate (a strided view, the
+    same shape): one launch on the GPU, transformers' roundings."""
+    return (_triton("activation", x) or activation).sigmoid_gate(x, gate)
+
+
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up of a fused [..., 2 * I] gate/up projection (Gemma's GeGLU). Plain
     torch on every device: one elementwise op, no Triton version yet."""

@@ -1,4 +1,5 @@
-"""SiLU- and GELU-and-multiply of a fused gate/up projection: plain-torch references (CPU path, oracle)."""
+"""SiLU- and GELU-and-multiply of a fused gate/up projection, and the attention output's sigmoid
+gate: plain-torch references (CPU path, oracle)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where gate_up: [..., 2 * I] holds gate then up. Returns [..., I]."""
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), in x's dtype (transformers' gated attention, Qwen3.5's: the attention's
+    output [T, H, D] times its gate, a strided view of q_proj's rows)."""
+    return x * torch.sigmoid(gate)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""SiLU-and-multiply: Triton kernel, same signature as `hibana_kernels.activation`."""
+"""SiLU-and-multiply and the sigmoid gate: Triton kernels, same signatures as `hibana_kernels.activation`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import triton.language as tl
 from hibana_kernels import pdl, quant_triton
 from hibana_kernels.pdl import wait_for_previous
 from hibana_kernels.quant_triton import a8_block_columns, store_a8_blocks
+from hibana_kernels.recurrent_triton import _sigmoid
 
 BLOCK = 1024
 A8_SILU_BLOCKS = 32  # blocks of 32 columns an `_silu_and_mul_a8_kernel` program writes
@@ -47,6 +48,39 @@ def _silu_and_mul_a8_kernel(x_ptr, out_ptr, q_ptr, d_ptr, stride_x, INTER: tl.co
     out = _product(x_ptr + row * stride_x, col, mask, INTER)
     tl.store(out_ptr + row * INTER + col, out, mask=mask)
     store_a8_blocks(out.to(tl.float32), blocks, q_ptr + row * (INTER // 4), d_ptr + row * (INTER // 16), INTER)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, gate_ptr, out_ptr, stride_gt, stride_gh, D: tl.constexpr, WIDTH: tl.constexpr,
+                         BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    """x * sigmoid(gate) of BLOCK columns of a row (x and out [T, H * D] contiguous, gate's heads
+    strided), rounded as torch's two ops: sigmoid to x's dtype, then the product."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    x = tl.load(x_ptr + row * WIDTH + offs, mask=mask, other=0.0)
+    g = tl.load(gate_ptr + row * stride_gt + (offs // D) * stride_gh + offs % D, mask=mask, other=0.0)
+    s = _sigmoid(g.to(tl.float32), LIBDEVICE).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * WIDTH + offs, (x.to(tl.float32) * s).to(x.dtype), mask=mask)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """See `hibana_kernels.activation.sigmoid_gate`: x and gate [T, H, D] (gate's last dim
+    contiguous, x made so), one launch for torch's gate copy, sigmoid and product."""
+    if x.dim() != 3 or gate.shape != x.shape or gate.dtype != x.dtype or gate.stride(2) != 1:
+        raise ValueError(f"sigmoid_gate wants x and gate [T, H, D] of one dtype, gate's last dim contiguous; "
+                         f"got {tuple(x.shape)} {x.dtype} and {tuple(gate.shape)} {gate.dtype}, strides {gate.stride()}")
+    x = x.contiguous()
+    tokens, heads, dim = x.shape
+    out = torch.empty_like(x)
+    width = heads * dim
+    block = min(BLOCK, triton.next_power_of_2(width))
+    if tokens and width:
+        _sigmoid_gate_kernel[(tokens, triton.cdiv(width, block))](
+            x, gate, out, gate.stride(0), gate.stride(1), D=dim, WIDTH=width, BLOCK=block, LIBDEVICE=x.is_cuda,
+            num_warps=4, **pdl.launch_args(x.device))
+    return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

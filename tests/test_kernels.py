@@ -588,6 +588,23 @@ def check_silu_and_mul(device, dtype, inter):
                                activation.silu_and_mul(gate_up), **TOLERANCE[dtype])
 
 
+def check_sigmoid_gate(device, dtype, heads, head_dim):
+    """The attention output's gate: x [T, H, D] times sigmoid of q_proj's gate rows, a strided view
+    ([T, H, 2D]: each head's q, then its gate), as the reference; bad shapes refused."""
+    triton_activation = _triton_module("activation")
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    x = (2 * torch.randn(3, heads, head_dim, generator=gen)).to(dtype).to(device)
+    q_gate = (4 * torch.randn(3, heads, 2 * head_dim, generator=gen)).to(dtype).to(device)
+    gate = q_gate.split(head_dim, dim=-1)[1]
+    assert not gate.is_contiguous()
+    out = triton_activation.sigmoid_gate(x, gate)
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out, activation.sigmoid_gate(x, gate), **TOLERANCE[dtype])
+    torch.testing.assert_close(out, x * torch.sigmoid(gate.contiguous()), **TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="sigmoid_gate wants"):
+        triton_activation.sigmoid_gate(x, gate[:, :, :-1])
+
+
 def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_fp8=False,
                                rotary_dim=None, unit_offset=False):
     """kv_fp8: into fp8 caches (the same bytes as the reference's in float32; in 16 bits the
@@ -1316,6 +1333,12 @@ def test_rotary_embedding(run_check, dtype, num_heads, head_dim, rotary_dim):
 @pytest.mark.parametrize("inter", [96, 1500])  # 1500: more than one program per row
 def test_silu_and_mul(run_check, dtype, inter):
     run_check(check_silu_and_mul, dtype=dtype, inter=inter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads, head_dim", [(2, 64), (6, 256), (3, 80)])  # 1536: two programs a row; 80: masked
+def test_sigmoid_gate(run_check, dtype, heads, head_dim):
+    run_check(check_sigmoid_gate, dtype=dtype, heads=heads, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -661,9 +661,8 @@ class Attention(nn.Module):
         qkv, residual = self.qkv_proj.after_norm(norm, x, residual)
         q, k, v = qkv.split(self.split, dim=-1)
         gate = None
-        if self.output_gate:  # [T, H, 2D]: each head's q, then its gate
+        if self.output_gate:  # [T, H, 2D]: each head's q, then its gate (strided views: the kernels take them)
             q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
-            q, gate = q.contiguous(), gate.reshape(tokens, self.num_heads * self.head_dim)
         if self.qk_norm_whole:  # [T, H * D] and [T, H_kv * D] normed whole, before the heads part
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(tokens, self.num_heads, self.head_dim)      # [T, H, D]
@@ -682,7 +681,8 @@ class Attention(nn.Module):
         width = self.num_heads * self.head_dim
         if gate is not None:  # transformers' o * sigmoid(gate), in the activations' dtype, before o_proj
             o = kernels.paged_attention(*args, prologue=prologue)
-            return self.o_proj(o.reshape(tokens, width) * torch.sigmoid(gate)), residual
+            return self.o_proj(kernels.sigmoid_gate(o.view(tokens, self.num_heads, self.head_dim), gate)
+                               .view(tokens, width)), residual
         if self.o_proj.folds_a8(x, width):  # its input as codes (from split decode's merge, else one launch)
             o, codes, d = kernels.paged_attention_a8(*args, kernels.a8_order(self.o_proj.kind), prologue=prologue)
             return self.o_proj.from_codes(codes, d, o.view(tokens, width)), residual
