@@ -623,9 +623,10 @@ class StateRegistry:
             self._check_fits(seq, len(tokens))
             seq.set_tokens(tokens)
             self._drop_empty_copy(seq)
-            if seq.num_uncomputed == 0:
-                self.core.outputs.counters.prompt_reused += len(seq)
-                return SyncStats(reused=len(seq), computed=0)
+            if seq.num_computed >= seq.sync_length:
+                reused = min(seq.num_computed, len(seq))
+                self.core.outputs.counters.prompt_reused += reused
+                return SyncStats(reused=reused, computed=0)
             events = self.core.submit(Request(seq, None, max_len=self.limits.max_model_len, state_id=handle.id,
                                               use=entry.use), None)
         for _ in events:

@@ -102,8 +102,9 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """The length the state is catching up to: its history plus the tokens in flight."""
-        return len(self.seq) + self.num_output_placeholders
+        """The length the state is catching up to: its history plus the tokens in flight (a sync's:
+        `KVSequence.sync_length`)."""
+        return (len(self.seq) if self.samples else self.seq.sync_length) + self.num_output_placeholders
 
     @property
     def num_uncomputed(self) -> int:
@@ -433,7 +434,7 @@ class Scheduler:
         seq.prefer_index(len(seq) - (1 if request.samples else 0))
         if not request.preemptions:  # after one, what is there is what the request computed itself
             request.reused = min(seq.num_computed, request.num_prompt)
-        if not request.samples and seq.num_uncomputed == 0:
+        if not request.samples and request.num_uncomputed <= 0:
             self.finish(request, _done_reason(request))
         return True
 
@@ -443,7 +444,7 @@ class Scheduler:
             if (len(request.output) + request.num_output_placeholders >= request.params.max_tokens
                     or request.num_tokens >= request.max_len):
                 return None  # its token in flight is its last: it finishes when that is read back
-        elif request.num_uncomputed == 0:
+        elif request.num_uncomputed <= 0:
             return None  # a sync whose last chunk is in flight: it finishes at that step's update
         if seq.rotate_for(request.num_tokens) and seq.parked is not None:  # LongRoPE: past its switch
             self.eviction.tier.forget(seq)  # the whole history is recomputed; a parked copy is of the old one
@@ -451,7 +452,7 @@ class Scheduler:
         if seq.recurrent is not None and not self.recurrent_slot(seq):
             return None  # every slot is a running state's: it waits (or is preempted)
         gained = seq.reuse_cached_blocks(request.num_tokens - (1 if request.samples else 0))
-        if request.num_uncomputed == 0:  # a sync fully served from the prefix index
+        if request.num_uncomputed <= 0:  # a sync fully served from the prefix index
             self._count_reused(request, gained)
             self.finish(request, _done_reason(request))
             return None
@@ -585,7 +586,7 @@ class Scheduler:
                 results.append(RequestOutput(request, accepted, kept))
             if reason is not None:
                 self.finish(request, reason)
-            elif not request.samples and request.num_uncomputed == 0:
+            elif not request.samples and request.num_uncomputed <= 0:
                 self.finish(request, _done_reason(request))
         return results
 

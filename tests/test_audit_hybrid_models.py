@@ -150,3 +150,36 @@ def test_a_hybrid_config_without_full_attention_layers_is_refused_clearly(tmp_pa
     path = make_tiny_checkpoint("qwen3_5", tmp_path / "linear", num_hidden_layers=2, layer_types=[L, L])
     with pytest.raises(UnsupportedModelError, match="full_attention"):
         open_engine(path)
+
+
+def test_a_sync_then_a_generation_computes_the_last_token_only(checkpoints, make_engine, tmp_path):
+    """DESIGN's `h.sync(history); h.generate(...)` and `h.append(tool_result); h.generate(...)` on a
+    hybrid: a sync holds the last token back (the linear layers' state cannot step back a token),
+    so the generation computes that one token. It recomputed the whole history after a sync (from
+    the start: no snapshot before its end), and the last reply and the appended tokens after an
+    append (from the last prompt's snapshot)."""
+    path = checkpoints("next_step2")
+    engine = make_engine(path, speculation="off")
+    rng = random.Random(11)
+    h, history = engine.open_state("s"), random_tokens(rng, 70)
+    synced = h.sync(history)
+    done = h.generate(greedy(5))
+    assert done.stats.computed == 1
+    assert (synced.reused, synced.computed) == (0, len(history) - 1)
+    assert_greedy_matches(path, history, done.token_ids)
+
+    history = h.tokens + random_tokens(rng, 12)
+    assert h.append(history[len(h.tokens):]).computed == 12  # the last reply token and 11 of the 12
+    assert h.sync(history).computed == 0  # (held already)
+    before = engine.stats().prompt_tokens_computed
+    done = h.generate(greedy(5))
+    assert done.stats.computed == 1 and engine.stats().prompt_tokens_computed - before == 1
+    assert_greedy_matches(path, history, done.token_ids)
+
+    history = h.tokens + random_tokens(rng, 6)  # a synced state saved and loaded: the same
+    h.sync(history)
+    h.save(tmp_path / "synced.hibana")
+    loaded = make_engine(path, speculation="off").load_state(tmp_path / "synced.hibana")
+    done = loaded.generate(greedy(5))
+    assert done.stats.computed == 1
+    assert_greedy_matches(path, history, done.token_ids)

@@ -169,6 +169,14 @@ class KVSequence:
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
 
+    @property
+    def sync_length(self) -> int:
+        """The tokens a request that samples nothing (a sync) computes: all, or a hybrid state's all
+        but the last. Its linear layers' state cannot step back a token (`RecurrentState.rewind`
+        goes back to a snapshot), and the next generation needs that token's logits: it computes
+        the token then, rather than the history again."""
+        return len(self.tokens) - (self.recurrent is not None and bool(self.tokens))
+
     def prefix_hash(self, index: int) -> BlockHash:
         """Chain hash of the tokens of full block `index` and all before it (lazily, cached)."""
         bs = self.block_size
