@@ -48,6 +48,8 @@ shapes: check 1 on shapes unlike the tiny checkpoints' (tiny_models.ODD_SHAPES: 
 moe_fusion: qwen3_moe and gpt_oss in bf16, batch 1: the sparse block's norm, router and top-k in
    one launch (fusion `moe_norm_route`) give the tokens of the three launches (3 of 4 prompts at
    least: bf16 logits summed in another order may part a near-tie).
+unit_offset_fold: qwen3_5, qwen3_5_moe, qwen3_next and gemma3 in bf16, batch 1: Gemma's norm folded into
+   the GEMV after it gives the tokens of the separate norm and GEMV (3 of 4 prompts at least).
 a8_fold: bf16 w8 / w4 one agent at a time: the norm's, SiLU-and-mul's and attention merge's launches
    writing x's int8 codes (`Fusion.a8_fold`) give the tokens of the separate quantize launches.
 moe_a8: bf16 gpt_oss with MXFP4 experts, one agent at a time: the experts against int8 x (the default
@@ -836,6 +838,28 @@ def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
                f"{same}/4 prompts equal; first difference at {firsts}")
 
 
+def check_unit_offset_fold() -> Iterator[tuple[str, bool, str]]:
+    """Gemma's norm (by 1 + weight) folded into the GEMV after it (`rms_norm_linear`'s
+    unit_offset) against the separate norm and GEMV (fusion off), bf16, batch-1 decode graphs, one
+    prompt at a time, on the families whose norms are Gemma's: the same greedy tokens (3 of 4
+    prompts at least: a near-tie may part them; the first difference is reported)."""
+    from hibana_kernels import fusion
+
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for arch, path, prompts in tiny_cases(("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3"), 43):
+        runs = {}
+        for name, policy in (("folded", fusion.AUTO), ("separate", fusion.OFF)):
+            with fusion.using(policy), Engine.from_pretrained(path, **ON_GPU, dtype="bfloat16", progress=False,
+                                                              speculation="off") as engine:
+                runs[name] = [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                              for i, p in enumerate(prompts)]
+        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32)
+                  for x, y in zip(runs["folded"], runs["separate"])]
+        same = sum(f == 32 for f in firsts)
+        yield (f"bf16 {arch} Gemma's norm folded vs separate", same >= len(prompts) - 1,
+               f"{same}/4 prompts equal; first difference at {firsts}")
+
+
 def check_moe_a8() -> Iterator[tuple[str, bool, str]]:
     """MXFP4 experts against int8 x (`DecodeTiles.a8`, the default decode tiles since 2026-12-04)
     beside the float GEMV on 16-bit x, bf16, batch-1 decode graphs, one prompt at a time: x and
@@ -930,7 +954,7 @@ CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery":
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
           "logprobs": check_logprobs, "logit_bias": check_logit_bias, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
           "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture,
-          "a8_fold": check_a8_fold, "moe_a8": check_moe_a8}
+          "a8_fold": check_a8_fold, "moe_a8": check_moe_a8, "unit_offset_fold": check_unit_offset_fold}
 
 
 def main() -> int:
