@@ -198,6 +198,12 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return impl.rms_norm_linear(x, residual, norm_weight, eps, weight, bias, glu, unit_offset)
 
 
+def folds_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether `rms_norm_linear` of x through `weight` after a norm of `norm_weight` is one launch
+    (one decode row on the Triton GEMV, where `hibana_kernels.fusion` takes the width)."""
+    return (_triton("matmul", x) or matmul).folds_norm(x, weight, norm_weight)
+
+
 def folds_glu(x: torch.Tensor, weight: torch.Tensor, glu: str) -> bool:
     """Whether a gate/up projection of x takes its activation `glu` into the GEMV (`linear(...,
     glu=)`): one decode row on the Triton GEMV, where `hibana_kernels.fusion` takes the width.

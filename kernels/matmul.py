@@ -34,6 +34,11 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return linear(normed, weight, bias, glu), residual
 
 
+def folds_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether `rms_norm_linear` runs as one launch: never here."""
+    return False
+
+
 def folds_glu(x: torch.Tensor, weight: torch.Tensor, glu: str) -> bool:
     """Whether `linear(x, weight, glu=...)` takes the activation into the GEMV: never here."""
     return False

@@ -414,13 +414,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _activated(linear_launch(x, weight, bias, *tiles, glu=inside), None if inside else glu)
 
 
+def folds_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether `rms_norm_linear` of x (and a residual of its shape and dtype) runs as one launch."""
+    k = weight.shape[1]
+    return _gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
+
+
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     glu: str | None = None, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See `hibana_kernels.matmul.rms_norm_linear`: one launch for one row where the fusion
     policy takes the layer's width, else the norm kernel and `linear`."""
     n, k = weight.shape
-    if (_gemv_takes(x, weight, k) and fusion.policy().norm_linear(k) and norm_weight.dtype == x.dtype
+    if (folds_norm(x, weight, norm_weight)
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
         tiles = _norm_gemv_tiles or _whole_rows_config(n, k)
         inside = _inside(glu, n, tiles[0])

@@ -41,3 +41,27 @@ def test_the_mlp_activation_in_the_gate_up_gemv_matches_transformers(tmp_path, m
 
 def test_no_route_folds_the_activation_on_the_cpu():
     assert not kernels.folds_glu(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(6, 8, dtype=torch.bfloat16), "silu")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_both_linear_attention_inputs_fold_the_norm_and_match_transformers(tmp_path, make_engine, monkeypatch, arch):
+    """Where `kernels.folds_norm` says, a linear-attention layer's two input projections each fold
+    its norm (the second from the stream the first wrote, without a residual): the route must be
+    taken on every linear layer and must give transformers' tokens."""
+    folds = []
+    rms_norm_linear = matmul.rms_norm_linear
+
+    def counted(x, residual, norm_weight, eps, weight, bias=None, glu=None, unit_offset=False):
+        folds.append((weight.shape[0], residual is None, unit_offset))
+        return rms_norm_linear(x, residual, norm_weight, eps, weight, bias, glu, unit_offset)
+
+    monkeypatch.setattr(matmul, "folds_norm", lambda x, weight, norm_weight: True)
+    monkeypatch.setattr(matmul, "rms_norm_linear", counted)
+    path = make_tiny_checkpoint(arch, tmp_path / arch)
+    history = list(range(3, 50))
+    engine = make_engine(path)
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=12, ignore_eos=True), prompt=history)
+    narrow = 2 * engine.model_args.linear_attention.num_value_heads  # b and a: a row each a value head
+    assert all(unit_offset for _, _, unit_offset in folds), "Qwen3.5's norms are Gemma's"
+    assert any(rows == narrow and without for rows, without, _ in folds), "the narrow projection never folded"
+    assert_greedy_matches(path, history, c.token_ids)

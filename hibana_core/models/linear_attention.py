@@ -100,18 +100,38 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_gates = linear(args.hidden_size, 2 * hv, bias=False)
         self.in_proj_gates.fused_sizes = (hv, hv)
 
-    def _project(self, h: torch.Tensor):
-        """(q/k/v for the convolution [T, conv_dim], z [T, value_dim], b and a [T, Hv]) of the normed h."""
-        mixed, z = self.in_proj(h).split(self.in_proj.fused_sizes, dim=-1)
-        b, a = self.in_proj_gates(h).split(self.in_proj_gates.fused_sizes, dim=-1)
+    @property
+    def _inputs(self) -> tuple[nn.Module, nn.Module]:
+        """The two input projections of the normed stream: the wide one, then the narrow one."""
+        return self.in_proj, self.in_proj_gates
+
+    def _parts(self, wide: torch.Tensor, narrow: torch.Tensor):
+        """(q/k/v for the convolution [T, conv_dim], z [T, value_dim], b and a [T, Hv]) of the two
+        projections' outputs."""
+        mixed, z = wide.split(self.in_proj.fused_sizes, dim=-1)
+        b, a = narrow.split(self.in_proj_gates.fused_sizes, dim=-1)
         return mixed, z, b, a
+
+    def _project(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
+        """(mixed, z, b, a) of norm(x + residual), and x + residual. Where the GEMV can fold the
+        norm into both projections (one decode row, dense weights: `kernels.folds_norm`), each
+        does, the second from the stream the first wrote: two launches, not a norm and two GEMVs
+        (the norm is recomputed, the same bits)."""
+        wide, narrow = self._inputs
+        folds = getattr(norm, "gemv_fold", False) and all(
+            layer.kind == "dense" and kernels.folds_norm(x, layer.weight, norm.weight) for layer in (wide, narrow))
+        if folds:
+            wide_out, residual = wide.after_norm(norm, x, residual)
+            narrow_out, _ = narrow.after_norm(norm, residual, None)
+            return self._parts(wide_out, narrow_out), residual
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return self._parts(wide(h), narrow(h)), residual
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 norm) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer over norm(x + residual); returns (its output, x + residual)."""
         tokens = x.shape[0]
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        mixed, z, b, a = self._project(h)
+        (mixed, z, b, a), residual = self._project(x, residual, norm)
         batch = self.ctx.batch
         conv_state, state = self.ctx.recurrent.layer(self.index)
         slots, has_state, starts, writes = batch.state_slots, batch.has_state, batch.query_start_loc, batch.writes_state
@@ -161,10 +181,14 @@ class InterleavedGatedDeltaNet(GatedDeltaNet):
                                                                            * self.value_head_dim), bias=False)
         self.in_proj_ba = linear(args.hidden_size, 2 * self.num_value_heads, bias=False)
 
-    def _project(self, h: torch.Tensor):
-        tokens, heads, group = h.shape[0], self.num_key_heads, self.num_value_heads // self.num_key_heads
+    @property
+    def _inputs(self) -> tuple[nn.Module, nn.Module]:
+        return self.in_proj_qkvz, self.in_proj_ba
+
+    def _parts(self, wide: torch.Tensor, narrow: torch.Tensor):
+        tokens, heads, group = wide.shape[0], self.num_key_heads, self.num_value_heads // self.num_key_heads
         dk, dv = self.key_head_dim, self.value_head_dim
-        q, k, v, z = self.in_proj_qkvz(h).view(tokens, heads, -1).split((dk, dk, group * dv, group * dv), dim=-1)
-        b, a = self.in_proj_ba(h).view(tokens, heads, 2 * group).split((group, group), dim=-1)
+        q, k, v, z = wide.view(tokens, heads, -1).split((dk, dk, group * dv, group * dv), dim=-1)
+        b, a = narrow.view(tokens, heads, 2 * group).split((group, group), dim=-1)
         mixed = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
         return mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1)
