@@ -206,3 +206,32 @@ def test_a_stream_closed_inside_accepted_drafts_leaves_a_rewritten_state_that_go
         assert list(h.generate(greedy(6)).token_ids) == \
             list(engine.open_state(f"fresh{trial}").generate(greedy(6, speculation="off"), prompt=held).token_ids)
     assert engine.stats().draft_tokens_accepted > 0
+
+
+
+def test_chat_timeouts_inside_drafted_turns_put_an_fp8_state_back(make_engine, tmp_path):
+    """A Qwen3-style chat checkpoint with an fp8 KV cache, suffix drafts of 6 under async
+    scheduling: chat calls that run past their timeout while drafts are verified leave the state as
+    it was each time, and the turn after them is the one the same conversation gets without them."""
+    from hibana_core.errors import ChatTimeoutError
+    from reasoning_model import make_reasoning_checkpoint
+
+    engine = make_engine(make_reasoning_checkpoint(tmp_path / "chat"), surgery=["kv8"], surgery_guard=False,
+                         speculation={"method": "suffix", "k": 6}, async_scheduling=True)
+    ask = [{"role": "user", "content": "Repeat: alpha beta gamma alpha beta gamma alpha beta gamma"}]
+
+    def conversation(name: str, timeouts: tuple[float, ...]):
+        chat = engine.chat(name)
+        first = chat.respond(ask, params=SamplingParams(max_tokens=20, ignore_eos=True))
+        again = ask + [{"role": "assistant", "content": first.text},
+                       {"role": "user", "content": "again, longer: alpha beta gamma delta alpha beta gamma delta"}]
+        held = chat.handle.tokens
+        for timeout in timeouts:
+            with pytest.raises(ChatTimeoutError):
+                chat.respond(again, params=SamplingParams(max_tokens=800, ignore_eos=True), timeout=timeout)
+            assert chat.handle.tokens == held
+        last = chat.respond(again, params=SamplingParams(max_tokens=30, ignore_eos=True))
+        return last.text, chat.handle.tokens
+
+    assert conversation("timed-out", (0.02, 0.05, 0.1)) == conversation("plain", ())
+    assert engine.stats().draft_tokens_proposed > 0
