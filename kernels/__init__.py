@@ -286,6 +286,12 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (_triton("activation", x) or activation).sigmoid_gate(x, gate)
 
 
+def add_sigmoid_gated(base: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """base + sigmoid(gate) * x of [T, H] rows and a gate [T, 1] (a shared expert's output scaled by
+    its gate, added to the routed experts'): one launch on the GPU, transformers' roundings."""
+    return (_triton("activation", x) or activation).add_sigmoid_gated(base, gate, x)
+
+
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up of a fused [..., 2 * I] gate/up projection (Gemma's GeGLU). Plain
     torch on every device: one elementwise op, no Triton version yet."""

@@ -19,6 +19,13 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(gate)
 
 
+def add_sigmoid_gated(base: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """base + sigmoid(gate) * x, each op rounded to x's dtype (transformers' shared expert of
+    Qwen3.5-MoE and Qwen3-Next: the routed experts' sum plus the shared expert's output scaled by
+    its per-token gate). base and x [T, H]; gate [T, 1]."""
+    return base + torch.sigmoid(gate) * x
+
+
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up (transformers' gelu_pytorch_tanh), where gate_up:
     [..., 2 * I] holds gate then up. Returns [..., I]."""

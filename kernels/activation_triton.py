@@ -83,6 +83,39 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _add_sigmoid_gated_kernel(base_ptr, gate_ptr, x_ptr, out_ptr, stride_base, stride_gate, stride_x,
+                              WIDTH: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                              PDL: tl.constexpr):
+    """base + sigmoid(gate) * x of BLOCK columns of a row (gate: one value a row), rounded as
+    torch's three ops."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    s = _sigmoid(tl.load(gate_ptr + row * stride_gate).to(tl.float32), LIBDEVICE).to(x.dtype).to(tl.float32)
+    scaled = (s * x.to(tl.float32)).to(x.dtype).to(tl.float32)
+    base = tl.load(base_ptr + row * stride_base + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * WIDTH + offs, (base + scaled).to(x.dtype), mask=mask)
+
+
+def add_sigmoid_gated(base: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """See `hibana_kernels.activation.add_sigmoid_gated`: one launch for torch's sigmoid, product and sum."""
+    if (base.dim() != 2 or x.shape != base.shape or gate.shape != (base.shape[0], 1)
+            or not base.dtype == x.dtype == gate.dtype or base.stride(1) != 1 or x.stride(1) != 1):
+        raise ValueError(f"add_sigmoid_gated wants base and x [T, H] of one dtype with unit column strides and gate "
+                         f"[T, 1]; got {tuple(base.shape)}, {tuple(gate.shape)}, {tuple(x.shape)}")
+    tokens, width = base.shape
+    out = torch.empty((tokens, width), dtype=x.dtype, device=x.device)
+    block = min(BLOCK, triton.next_power_of_2(max(width, 1)))
+    if tokens and width:
+        _add_sigmoid_gated_kernel[(tokens, triton.cdiv(width, block))](
+            base, gate, x, out, base.stride(0), gate.stride(0), x.stride(0), WIDTH=width, BLOCK=block,
+            LIBDEVICE=x.is_cuda, num_warps=4, **pdl.launch_args(x.device))
+    return out
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """See `hibana_kernels.activation.silu_and_mul`."""
     inter = gate_up.shape[-1] // 2

@@ -605,6 +605,24 @@ def check_sigmoid_gate(device, dtype, heads, head_dim):
         triton_activation.sigmoid_gate(x, gate[:, :, :-1])
 
 
+def check_add_sigmoid_gated(device, dtype, width):
+    """A shared expert's output scaled by its per-token gate, added to the routed experts': as the
+    reference (torch's three ops); bad shapes refused."""
+    triton_activation = _triton_module("activation")
+    gen = torch.Generator().manual_seed(width)
+    base, x = ((2 * torch.randn(5, width, generator=gen)).to(dtype).to(device) for _ in range(2))
+    gate = (4 * torch.randn(5, 1, generator=gen)).to(dtype).to(device)
+    out = triton_activation.add_sigmoid_gated(base, gate, x)
+    assert out.shape == x.shape and out.dtype == dtype
+    # three chained roundings, which the interpreter's bf16 truncates: a unit of the sum's last place
+    # (0.0625 at 8) where it and torch part; on the GPU torch's bits (libdevice's exp, IEEE division)
+    tolerance = dict(atol=0.07, rtol=2e-2) if device == "cpu" and dtype == torch.bfloat16 else \
+        dict(atol=0, rtol=0) if device != "cpu" else TOLERANCE[dtype]
+    torch.testing.assert_close(out, activation.add_sigmoid_gated(base, gate, x), **tolerance)
+    with pytest.raises(ValueError, match="add_sigmoid_gated wants"):
+        triton_activation.add_sigmoid_gated(base, gate[:, 0], x)
+
+
 def check_qk_norm_rotary_store(device, dtype, num_heads, head_dim, qk_norm, kv_fp8=False,
                                rotary_dim=None, unit_offset=False):
     """kv_fp8: into fp8 caches (the same bytes as the reference's in float32; in 16 bits the
@@ -1339,6 +1357,12 @@ def test_silu_and_mul(run_check, dtype, inter):
 @pytest.mark.parametrize("heads, head_dim", [(2, 64), (6, 256), (3, 80)])  # 1536: two programs a row; 80: masked
 def test_sigmoid_gate(run_check, dtype, heads, head_dim):
     run_check(check_sigmoid_gate, dtype=dtype, heads=heads, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [64, 2000])  # 2000: two programs a row, the second masked
+def test_add_sigmoid_gated(run_check, dtype, width):
+    run_check(check_add_sigmoid_gated, dtype=dtype, width=width)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -101,8 +101,7 @@ class SharedExpertMoE(SparseMoE):
         h, residual = norm(x, residual)  # [T, hidden]
         weights, ids = self.route(h)
         out = kernels.fused_moe(h, self.experts.kernel_experts(), weights, ids)
-        shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert.of_normed(h)
-        return out + shared, residual
+        return kernels.add_sigmoid_gated(out, self.shared_expert_gate(h), self.shared_expert.of_normed(h)), residual
 
 
 def build(config: Any, ctx: ForwardContext) -> tuple[DecoderForCausalLM, DecoderArgs]:
