@@ -210,7 +210,8 @@ class StateRegistry:
             return  # tokens only: the KV is recomputed on next use
         seq.rotated_long = saved.rotated_long
         tier = self.core.scheduler.eviction.tier
-        in_host = tier is not None and tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv, saved.starts)
+        in_host = tier is not None and tier.adopt(seq, seq.tokens[:saved.num_computed], saved.kv, saved.starts,
+                                                  recurrent=saved.recurrent)
         if not in_host and not self._parked_for_room(seq, saved, host=False):
             self._place(seq, saved, path)
         logger.info("state %r resumed from %s (%d tokens, %d with KV)", saved.state_id, path, len(seq.tokens),

@@ -222,3 +222,22 @@ def test_bfloat16_hybrid_states_come_back_from_a_file_and_the_disk_tier_exactly(
     assert {s.id: s.tier for s in engine.states()}["h"] == "disk"
     done = loaded.generate(greedy(8), prompt=second)
     assert list(done.token_ids) == want and done.stats.computed == 8
+
+
+def test_a_hybrid_state_kept_in_state_dir_resumes_after_a_restart(checkpoints, make_engine, tmp_path):
+    """With a state_dir and the default host tier, a hybrid state written as its engine closes comes
+    back into the next engine's host tier with its linear layers' state: the next turn computes its
+    new tokens only, as transformers. Its KV came back without that state, and the state's first
+    request failed ("engine step failed: TypeError")."""
+    path = checkpoints("one_linear")
+    rng = random.Random(57)
+    engine = make_engine(path, speculation="off", state_dir=tmp_path)
+    h, history = engine.open_state("kept"), random_tokens(rng, 40)
+    history += list(h.generate(greedy(5), prompt=history).token_ids)
+    engine.close()
+    h = make_engine(path, speculation="off", state_dir=tmp_path).open_state("kept")
+    assert h.tokens == history
+    more = history + random_tokens(rng, 6)
+    done = h.generate(greedy(5), prompt=more)
+    assert done.stats.computed == 7  # the last reply token and the 6 new ones
+    assert_greedy_matches(path, more, done.token_ids)
