@@ -496,17 +496,35 @@ class Engine:
         (KV and states; None: not known, a KV cache sized in blocks: `kv.recurrent.slots_within`).
         Returns their bytes with the scratch slot's (and on a GPU the verify graphs' stash), which
         join the workspace. (A Qwen3.5-27B state is 151 MB: 130 slots would take 20 GB.)"""
+        self.state_slots, taken = self._states_within(agent_bytes)
+        self.workspace_bytes += taken
+        return taken
+
+    def _states_within(self, agent_bytes: int | None) -> tuple[int, int]:
+        """(state slots, their bytes with the scratch slot's and the verify stash's) within
+        `agent_bytes`, as `_size_states` takes them; (0, 0) for other models."""
         shapes = getattr(self.model, "recurrent_shapes", None)
         if not shapes:
-            return 0
+            return 0, 0
         slot = RecurrentCache.slot_bytes(shapes, self.dtype)
-        slots = self.state_slots = slots_within(2 * self.config.scheduler.max_concurrent_agents + 2, agent_bytes, slot)
+        slots = slots_within(2 * self.config.scheduler.max_concurrent_agents + 2, agent_bytes, slot)
         taken = (slots + 1) * slot
         if self.device.type == "cuda" and self.config.cuda_graphs:  # and the verify graphs' stash
             taken += DecodeGraphs.stash_rows(self.config.scheduler.max_concurrent_agents, shapes, self.dtype) \
                 * VerifyStash.row_bytes(shapes, self.dtype)
-        self.workspace_bytes += taken
-        return taken
+        return slots, taken
+
+    def _least_agent_bytes(self, rest: int) -> int:
+        """The fewest bytes for agents that leave `rest` beside the states they hold: the states
+        take a share of what agents get (`_states_within`), so more memory gives them more slots;
+        the least fixed point of bytes = rest + states(bytes), from below."""
+        least = rest
+        for _ in range(10_000):  # (each round adds a slot or more: a handful of rounds in practice)
+            grown = rest + self._states_within(least)[1]
+            if grown <= least:
+                return least
+            least = grown
+        return least
 
     def _recurrent_cache(self) -> RecurrentSlots | None:
         shapes = getattr(self.model, "recurrent_shapes", None)
@@ -541,13 +559,13 @@ class Engine:
         reserve = self.draft_reserve = draft_reserve(self, kv_dtype)
         """What the budget holds for the drafter `speculation` names when it runs a model of its own."""
         draft_bytes = reserve.weight_bytes if reserve else 0
-        draft_least = reserve.least_kv_bytes if reserve else 0
+        draft_least = reserve.least_bytes if reserve else 0
         draft_share = reserve.share if reserve else 0.0
         host_bytes = (self.config.cache.host_kv_bytes or 0) if memory.unified else 0
         fixed = weight_bytes + self.workspace_bytes + draft_bytes + host_bytes  # (a host tier on unified
-        fixed += self._size_states(budget - fixed)                             # memory: the same memory)
+        states = self._size_states(budget - fixed)                             # memory: the same memory)
         # the drafter's KV is max(share x the target's, least): kv + that fits what is left
-        left = budget - fixed
+        left = budget - fixed - states
         kv_bytes = int(min(left / (1 + draft_share), left - draft_least))
         pages = self._least_pages()
         if kv_bytes < pages * per_block:
@@ -558,8 +576,10 @@ class Engine:
                 parts += f", the host tier's host_kv_bytes {host_bytes:,} (the same memory here)"
             if draft_bytes or draft_least:
                 parts += (f", the {self.config.speculation.method} drafter's weights {draft_bytes:,} and KV "
-                          f"(one full-context sequence at least: {draft_least:,})")
-            least = fixed + max(math.ceil(pages * per_block * (1 + draft_share)), pages * per_block + draft_least)
+                          f"(one full-context sequence at least, and a hybrid draft's fewest state slots: "
+                          f"{draft_least:,})")
+            rest = max(math.ceil(pages * per_block * (1 + draft_share)), pages * per_block + draft_least)
+            least = fixed + self._least_agent_bytes(rest)  # (a hybrid's states grow with the budget)
             raise MemoryBudgetError(
                 f"memory_budget={given!r} ({budget:,} bytes) cannot hold {parts} bytes and two KV blocks "
                 f"({self._two_blocks(pages, per_block)}); raise it to at least {least:,} bytes, lower "

@@ -749,3 +749,25 @@ def test_agents_sharing_a_system_prompt_at_once_match_transformers(qwen35, make_
         for history, completion in turns:
             assert_greedy_matches(qwen35, history, completion.token_ids)
     assert engine.recurrent_slots.published and engine.stats().prompt_tokens_reused > 0
+
+
+def test_the_least_budget_holds_a_hybrid_draft_models_fewest_state_slots(qwen35, make_engine):
+    """The least budget a MemoryBudgetError names with a hybrid draft model builds the engine (the
+    target's state slots grow with the budget: the least is where they and two KV blocks fit), and
+    with room for a few more blocks the drafter, once built, stays within the budget: its least KV
+    (one full-context sequence) and its fewest state slots (MIN_STATE_SLOTS and a scratch one)."""
+    spec = {"method": "draft_model", "draft_model": str(qwen35), "k": 2}
+    options = dict(speculation=spec, num_blocks=None, max_model_len=64)
+    with pytest.raises(MemoryBudgetError, match="raise it to at least") as info:
+        make_engine(qwen35, **options, memory_budget="1MB")
+    least = int(str(info.value).split("at least ")[1].split(" bytes")[0].replace(",", ""))
+    per_block = make_engine(qwen35, **options, memory_budget=least).kv_cache.bytes_per_block_here
+    budget = least + 12 * per_block  # the target's pool past the drafter's least KV (5 blocks of 16 tokens)
+    engine = make_engine(qwen35, **options, memory_budget=budget)
+    history = list(range(3, 40))
+    completion = engine.open_state("a").generate(greedy(6), prompt=history)  # the drafter is built
+    assert_greedy_matches(qwen35, history, completion.token_ids)
+    device = engine.memory()["device"]
+    assert engine.pool.num_blocks > 5 and device["draft_model"] > 0
+    total = device["weights"] + device["workspace_estimate"] + device["kv_pool"] + device["draft_model"]
+    assert total <= budget, (total, budget, device)

@@ -48,7 +48,7 @@ from hibana_core.errors import ConfigError, MemoryBudgetError
 from hibana_core.forward_context import ForwardContext
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
-from hibana_core.kv.recurrent import RecurrentSlots, RecurrentState, slots_within
+from hibana_core.kv.recurrent import MIN_STATE_SLOTS, RecurrentSlots, RecurrentState, slots_within
 from hibana_core.kv.recurrent_cache import RecurrentCache
 from hibana_core.kv.sequence import KVSequence, LongRope
 from hibana_core.kv.transfers import device_tensor
@@ -137,12 +137,13 @@ _UNBIASED = SamplingParams()  # a row whose request is unknown, in `apply_logit_
 
 class DraftReserve(NamedTuple):
     """What a memory budget holds for the drafter the engine names, when it runs a model of its
-    own: its weights as they load, and its KV (`DraftModelDrafter`'s sizing: `share` of the
-    target's KV bytes, `least_kv_bytes` at the least)."""
+    own: its weights as they load, and its KV and a hybrid draft's states (`DraftModelDrafter`'s
+    sizing: `share` of the target's KV bytes, `least_bytes` at the least: KV for one full-context
+    sequence, and a hybrid draft model's fewest state slots)."""
 
     method: str
     weight_bytes: int
-    least_kv_bytes: int
+    least_bytes: int
     share: float
 
 
@@ -167,17 +168,20 @@ def draft_reserve(engine: Any, kv_dtype: torch.dtype) -> DraftReserve | None:
 
         weights, args = planned_model(spec.draft_model, engine.dtype, engine.max_model_len)  # (as it drafts)
         layers, kv_dtype = kv_layers(args), engine.dtype  # (a hybrid's attention layers)
+        linear = getattr(args, "linear_attention", None)  # a hybrid's fewest state slots, and the scratch one
+        states = 0 if linear is None else (MIN_STATE_SLOTS + 1) * RecurrentCache.slot_bytes(
+            [linear.shape] * sum(linear.layers), engine.dtype)
     else:
         from hibana_core.surgery.layer_skip import DEFAULT_KEEP, kept_count
 
-        weights, args = 0, engine.model_args
+        weights, args, states = 0, engine.model_args, 0
         # every kept layer counted as an attention layer (which a hybrid's are is known once ranked): its
         # kept linear-attention layers' fewest state slots take less than a sequence's KV of a layer
         layers = kept_count(args.num_layers, DEFAULT_KEEP)
     bs = engine.config.cache.block_size
     max_len = min(engine.max_model_len, args.max_position_embeddings)
     per_block = KVCache.bytes_per_block(layers, bs, args.num_kv_heads, args.head_dim, kv_dtype)
-    return DraftReserve(spec.method, weights, least_blocks(max_len, bs) * per_block, DRAFT_KV_SHARE)
+    return DraftReserve(spec.method, weights, least_blocks(max_len, bs) * per_block + states, DRAFT_KV_SHARE)
 
 
 def check_reserved(engine: Any, method: str) -> None:
@@ -250,7 +254,11 @@ class DraftModelDrafter:
         layers = kv_layers(a)  # (a hybrid's attention layers)
         per_block = KVCache.bytes_per_block(layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
         agent_bytes = int(kv_share * engine.kv_cache.nbytes)  # its KV, and a hybrid's states in part of it
-        self.states = self._recurrent_cache(loaded, agent_bytes, sched.max_concurrent_agents, engine.device)
+        state_bytes = agent_bytes
+        if getattr(engine, "memory_budget", None) is not None:  # within what its least KV leaves, too: the
+            # budget holds max(agent_bytes, the least KV and the fewest slots) for it (`draft_reserve`)
+            state_bytes = min(agent_bytes, 2 * max(agent_bytes - least_blocks(self.max_len, bs) * per_block, 0))
+        self.states = self._recurrent_cache(loaded, state_bytes, sched.max_concurrent_agents, engine.device)
         if num_blocks is None and not per_block:  # no attention layer (a hybrid's layer-skip draft of linear
             num_blocks = engine.pool.num_blocks  # layers alone): its blocks take no memory, they only count positions
         elif num_blocks is None:
