@@ -669,7 +669,9 @@ class Engine:
                 raise EngineClosedError("the engine is closed and holds no memory; create a new one with "
                                         "Engine.from_pretrained")
             per_block = self.kv_cache.bytes_per_block_here
-            held = self.registry.kv_bytes(per_block)
+            cache = self._ctx.recurrent if self.recurrent_slots is not None else None  # (a hybrid's state slots)
+            slot_bytes = 0 if cache is None else cache.slot_bytes(cache.shapes, cache.dtype)
+            held = self.registry.kv_bytes(per_block, slot_bytes)
             states = {info.id: {"tier": info.tier, "tokens": info.tokens, "bytes": held[info.id].own,
                                 "shared": held[info.id].shared} for info in self.registry.infos()}
             tier, memory = self.host_tier, self.device_memory

@@ -497,9 +497,11 @@ class StateRegistry:
         with self.lock:
             return {e.handle.id: speculation.acceptance(e.seq) for e in self._entries.values()}
 
-    def kv_bytes(self, per_block: int) -> dict[str, KVBytes]:
+    def kv_bytes(self, per_block: int, slot_bytes: int = 0) -> dict[str, KVBytes]:
         """Each state's KV bytes where it lies (its device blocks, or its parked copy as the host
-        tier counts it), what it holds alone apart from what other states hold too."""
+        tier counts it), what it holds alone apart from what other states hold too; a hybrid
+        model's states (`slot_bytes` a slot) also hold their recurrent slots alone (the live one and
+        its snapshots: closing the state frees them)."""
         tier = self.core.scheduler.eviction.tier
         copies = tier.held_copies() if tier is not None else {}
         ref_count = self.pool.ref_count
@@ -507,15 +509,17 @@ class StateRegistry:
         with self.lock:
             for e in self._entries.values():
                 seq = e.seq
+                slots = seq.recurrent.num_slots * slot_bytes if seq.recurrent is not None else 0
                 if seq.num_blocks:
                     shared = sum(ref_count(block) > 1 for block in seq.held_blocks()) * per_block
-                    found[e.handle.id] = KVBytes(seq.num_blocks * per_block - shared, shared)
+                    found[e.handle.id] = KVBytes(seq.num_blocks * per_block - shared + slots, shared)
                     continue
                 copy = copies.get(id(seq))
                 if copy is None:
-                    found[e.handle.id] = KVBytes(0, 0)
+                    found[e.handle.id] = KVBytes(slots, 0)
                 else:
-                    found[e.handle.id] = KVBytes(0, copy.nbytes) if copy.holders > 1 else KVBytes(copy.nbytes, 0)
+                    found[e.handle.id] = (KVBytes(slots, copy.nbytes) if copy.holders > 1
+                                          else KVBytes(copy.nbytes + slots, 0))
         return found
 
     def idle_sequences(self) -> list[KVSequence]:

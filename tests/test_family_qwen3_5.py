@@ -771,3 +771,20 @@ def test_the_least_budget_holds_a_hybrid_draft_models_fewest_state_slots(qwen35,
     assert engine.pool.num_blocks > 5 and device["draft_model"] > 0
     total = device["weights"] + device["workspace_estimate"] + device["kv_pool"] + device["draft_model"]
     assert total <= budget, (total, budget, device)
+
+
+def test_a_hybrid_states_bytes_count_its_recurrent_slots(qwen35, make_engine):
+    """`engine.memory()`'s bytes of a state are what closing it frees: on a hybrid model its KV
+    blocks and its recurrent slots (the live state and its snapshots)."""
+    engine = make_engine(qwen35)
+    h = engine.open_state("a")
+    h.generate(greedy(6), prompt=list(range(3, 40)))
+    memory = engine.memory()
+    slot, free = memory["device"]["recurrent"]["slot_bytes"], engine.recurrent_slots.num_free
+    (seq,) = [e.seq for e in engine.registry._entries.values()]
+    held = seq.recurrent.num_slots
+    assert held >= 2  # the live state and the prompt end's snapshot
+    per_block = engine.kv_cache.bytes_per_block_here
+    assert memory["states"]["a"]["bytes"] == seq.num_blocks * per_block + held * slot
+    h.close()
+    assert engine.recurrent_slots.num_free == free + held
