@@ -264,7 +264,7 @@ def _norm_route_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, h_ptr, res_out_ptr,
     s = _stream_tile(x_ptr + t * stride_xm, res_ptr + t * stride_rm, offs_m, offs_k, mask, 0, 0, True)  # [1, K]
     sf = s.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(sf * sf, 1) / K + eps)
-    h = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask)  # float32 of the rounded norm
+    h = _normed_tile(s, inv_rms, nw_ptr, offs_k, k_mask, False)  # float32 of the rounded (Llama) norm
     if pid == 0:
         tl.store(res_out_ptr + t * K + offs_m[:, None] * K + offs_k[None, :], s, mask=mask)
         tl.store(h_ptr + t * K + offs_m[:, None] * K + offs_k[None, :], h.to(s.dtype), mask=mask)
