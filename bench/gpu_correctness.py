@@ -814,50 +814,45 @@ def check_grammar(seed: int = 17) -> Iterator[tuple[str, bool, str]]:
                    not problems, "; ".join(problems) or f"8/8 agents equal, {ended}/4 constrained ended as JSON")
 
 
-def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
-    """The sparse block's norm, router and top-k in one launch (fusion `moe_norm_route`) against
-    the three kernels, bf16, batch-1 decode graphs, one prompt at a time (the fused kernel takes
-    a few rows): the same greedy tokens (its logits are float32 sums in the GEMV's order,
-    rounded to bf16 as the GEMV's; a near-tie of two experts may still part them, so the first
-    difference is reported)."""
+def policies_agree(archs: tuple[str, ...], seed: int, policies: tuple, label: str) -> Iterator[tuple[str, bool, str]]:
+    """Each tiny architecture in bf16, batch-1 decode graphs, one prompt at a time, under two
+    fusion policies ((name, policy), (name, policy)): the same greedy tokens for 3 of 4 prompts at
+    least (a near-tie may part them; the first difference is reported)."""
     from hibana_kernels import fusion
 
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    for arch, path, prompts in tiny_cases(("qwen3_moe", "gpt_oss"), 41):
-        runs = {}
-        for name, policy in (("3 launches", fusion.AUTO),
-                             ("1 launch", dataclasses.replace(fusion.AUTO, moe_norm_route=True))):
+    for arch, path, prompts in tiny_cases(archs, seed):
+        runs = []
+        for _, policy in policies:
             with fusion.using(policy), Engine.from_pretrained(path, **ON_GPU, dtype="bfloat16", progress=False,
                                                               speculation="off") as engine:
-                runs[name] = [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
-                              for i, p in enumerate(prompts)]
-        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32)
-                  for x, y in zip(runs["1 launch"], runs["3 launches"])]
+                runs.append([list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                             for i, p in enumerate(prompts)])
+        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32) for x, y in zip(*runs)]
         same = sum(f == 32 for f in firsts)
-        yield (f"bf16 {arch} moe_norm_route on vs off", same >= len(prompts) - 1,
+        yield (f"bf16 {arch} {label}", same >= len(prompts) - 1,
                f"{same}/4 prompts equal; first difference at {firsts}")
+
+
+def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
+    """The sparse block's norm, router and top-k in one launch (fusion `moe_norm_route`) against
+    the three kernels (its logits are float32 sums in the GEMV's order, rounded to bf16 as the
+    GEMV's; a near-tie of two experts may still part them)."""
+    from hibana_kernels import fusion
+
+    yield from policies_agree(("qwen3_moe", "gpt_oss"), 41,
+                              (("1 launch", dataclasses.replace(fusion.AUTO, moe_norm_route=True)),
+                               ("3 launches", fusion.AUTO)), "moe_norm_route on vs off")
 
 
 def check_unit_offset_fold() -> Iterator[tuple[str, bool, str]]:
     """Gemma's norm (by 1 + weight) folded into the GEMV after it (`rms_norm_linear`'s
-    unit_offset) against the separate norm and GEMV (fusion off), bf16, batch-1 decode graphs, one
-    prompt at a time, on the families whose norms are Gemma's: the same greedy tokens (3 of 4
-    prompts at least: a near-tie may part them; the first difference is reported)."""
+    unit_offset) against the separate norm and GEMV (fusion off), on the families whose norms
+    are Gemma's."""
     from hibana_kernels import fusion
 
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    for arch, path, prompts in tiny_cases(("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3"), 43):
-        runs = {}
-        for name, policy in (("folded", fusion.AUTO), ("separate", fusion.OFF)):
-            with fusion.using(policy), Engine.from_pretrained(path, **ON_GPU, dtype="bfloat16", progress=False,
-                                                              speculation="off") as engine:
-                runs[name] = [list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
-                              for i, p in enumerate(prompts)]
-        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32)
-                  for x, y in zip(runs["folded"], runs["separate"])]
-        same = sum(f == 32 for f in firsts)
-        yield (f"bf16 {arch} Gemma's norm folded vs separate", same >= len(prompts) - 1,
-               f"{same}/4 prompts equal; first difference at {firsts}")
+    yield from policies_agree(("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3"), 43,
+                              (("folded", fusion.AUTO), ("separate", fusion.OFF)), "Gemma's norm folded vs separate")
 
 
 def check_moe_a8() -> Iterator[tuple[str, bool, str]]:
