@@ -951,8 +951,23 @@ class Chat:
         passed_ends = frozenset(text for t, text in zip(self.stop_token_ids, self._end_texts) if t in passed)
         ids = self.prompt_ids(messages, tools, reasoning_history)
         encode = functools.partial(self._encode_fitting, kept=len(ids))  # (the prefill's text, after the prompt)
+        hybrid = getattr(self.engine, "recurrent_slots", None) is not None  # (a state holding one position)
+        snapshot_at = self._generation_prompt_start(ids, end) if hybrid and (open_in_prompt or closed_in_prompt) \
+            else None
         return turn.TurnRun(ids, prefill, params, stream, encode, timeout, max_calls=max_calls, thinking=thinking,
-                            calls_held=calls_held, passed_ends=passed_ends)
+                            calls_held=calls_held, passed_ends=passed_ends, snapshot_at=snapshot_at)
+
+    def _generation_prompt_start(self, ids: list[int], end: str) -> int | None:
+        """Where in the prompt `ids` the think block its generation prompt writes (opened, or open
+        and closed: thinking off) starts, which the template leaves out when it re-renders the
+        reply: a hybrid model's state keeps a snapshot there (`StateHandle.stream`'s snapshot_at),
+        so that the next turn continues from it rather than from far back. None where the block's
+        tokens are not the prompt's last ones as the tokenizer spells them alone."""
+        at = end.rfind(self.think_markers.open)
+        tail = self.engine.tokenizer.encode(end[at:], add_special_tokens=False) if at >= 0 else []
+        if not tail or len(tail) >= len(ids) or list(ids[-len(tail):]) != list(tail):
+            return None
+        return len(ids) - len(tail)
 
 
 class StreamedLogprobs:

@@ -644,11 +644,12 @@ class StateRegistry:
         return SyncStats(reused=events.request.reused, computed=events.request.computed)
 
     def generate(self, handle: StateHandle, params: SamplingParams, prompt: Sequence[int] | None,
-                 loop: asyncio.AbstractEventLoop | None) -> RequestEvents | CompilingEvents:
-        """Submit a generation on the state (synced to `prompt` first, when given). Everything
-        is checked before the state changes: a refused call leaves it as it was. Called on an
-        event loop with a grammar not compiled yet, the compile and the submission wait for the
-        first read (`CompilingEvents`)."""
+                 loop: asyncio.AbstractEventLoop | None,
+                 snapshot_at: int | None = None) -> RequestEvents | CompilingEvents:
+        """Submit a generation on the state (synced to `prompt` first, when given; `snapshot_at` as
+        `StateHandle.stream`'s). Everything is checked before the state changes: a refused call
+        leaves it as it was. Called on an event loop with a grammar not compiled yet, the compile
+        and the submission wait for the first read (`CompilingEvents`)."""
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be SamplingParams, got {type(params).__name__}; "
                               "build one: SamplingParams(max_tokens=..., temperature=...)")
@@ -667,7 +668,7 @@ class StateRegistry:
                                     field="logit_bias")
         if loop is not None and self._compiles_on_loop(params):
             return CompilingEvents(functools.partial(self.grammars.compile, params),
-                                   functools.partial(self.generate, handle, params, prompt, loop))
+                                   functools.partial(self.generate, handle, params, prompt, loop, snapshot_at))
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.limits.eos_token_ids)
         grammar = None
         if params.constrained:  # compiled here, outside the lock: a new grammar may take 100 ms
@@ -702,7 +703,8 @@ class StateRegistry:
             entry.use.priority = params.priority  # also how long its KV is kept once idle
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
             request = Request(seq, params, generator, stops, self.limits.max_model_len, state_id=handle.id,
-                              grammar=grammar, use=entry.use)
+                              grammar=grammar, use=entry.use,
+                              snapshot_at=snapshot_at if snapshot_at and 0 < snapshot_at < length else 0)
             request.forced, entry.forced = entry.forced, None
             return self.core.submit(request, loop)
 

@@ -432,11 +432,12 @@ def snapshot_states(scheduled: SchedulerOutput) -> None:
 
 
 def keep_prompt_state(request: Request) -> None:
-    """A hybrid state just computed to a position within its request's prompt: at the prompt's end
-    it keeps a snapshot (`RecurrentState.snapshot`), at a multiple of the share stride it is
-    published for other agents whose histories start alike (`KVSequence.publish_state`)."""
+    """A hybrid state just computed to a position within its request's prompt: at the prompt's end,
+    and at the request's `snapshot_at` (where a chat template's generation prompt starts), it keeps
+    a snapshot (`RecurrentState.snapshot`); at a multiple of the share stride it is published for
+    other agents whose histories start alike (`KVSequence.publish_state`)."""
     seq = request.seq
-    if seq.recurrent.position == request.num_prompt:
+    if seq.recurrent.position in (request.num_prompt, request.snapshot_at):
         seq.recurrent.snapshot()
     seq.publish_state()
 

@@ -87,6 +87,7 @@ class Request:
     front: bool = False                    # preempted, or admitted without room: first in line again
     started: bool = False                  # a chunk of it was scheduled: no queue timeout any more
     use: StateUse | None = None            # its state's use (the registry's): last used when the request ends
+    snapshot_at: int = 0                   # a hybrid state's snapshot inside the prompt too (0: none)
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.seq)
@@ -459,6 +460,8 @@ class Scheduler:
         num = min(request.num_uncomputed, budget, self.config.max_prefill_chunk)
         if seq.recurrent is not None and seq.share:  # a prompt's chunks end where its states are published
             num = _to_share_stride(seq, num)
+        if seq.recurrent is not None and seq.num_computed < request.snapshot_at < seq.num_computed + num:
+            num = request.snapshot_at - seq.num_computed  # and where it keeps a snapshot (`keep_prompt_state`)
         needed = seq.blocks_needed(num)
         if not self.pool.can_allocate(needed) and not self.eviction.make_room(needed):
             num = self._chunk_that_fits(seq, num)

@@ -156,14 +156,19 @@ class StateHandle:
             pass
         return event.completion
 
-    def stream(self, params: SamplingParams | None = None, *,
-               prompt: Sequence[int] | None = None) -> "RequestEvents":
+    def stream(self, params: SamplingParams | None = None, *, prompt: Sequence[int] | None = None,
+               snapshot_at: int | None = None) -> "RequestEvents":
         """Token by token; the last event carries the completion. Closing the iterator early
         cancels the request at the engine's next step: the state keeps the tokens generated until
         then, which may be more than were read (the engine runs ahead of a slow reader; `tokens`
         says what it holds). `events.stop()`, then reading on, ends it so and still delivers the
-        completion with all of them."""
-        return self._registry.generate(self, params or SamplingParams(), prompt, None)
+        completion with all of them.
+
+        `snapshot_at`: a position inside `prompt` where a hybrid model's state also keeps a copy
+        of itself (the chat layer gives where the template's generation prompt starts: a template
+        that re-renders the reply without the think block its generation prompt opened cuts the
+        history there, and the next turn continues from the copy); other models ignore it."""
+        return self._registry.generate(self, params or SamplingParams(), prompt, None, snapshot_at)
 
     async def agenerate(self, params: SamplingParams | None = None, *,
                         prompt: Sequence[int] | None = None) -> Completion:
@@ -173,7 +178,8 @@ class StateHandle:
         return event.completion
 
     def astream(self, params: SamplingParams | None = None, *, prompt: Sequence[int] | None = None,
-                loop: asyncio.AbstractEventLoop | None = None) -> "RequestEvents | CompilingEvents":
+                loop: asyncio.AbstractEventLoop | None = None,
+                snapshot_at: int | None = None) -> "RequestEvents | CompilingEvents":
         """`stream` for `async for` on an event loop: `loop`, by default the running one. The
         call itself waits for the engine's lock, which a step holds: a loop that must not wait
         makes it from a worker thread, naming itself as `loop` (as `turn.arun` does). A grammar
@@ -186,7 +192,7 @@ class StateHandle:
             except RuntimeError:
                 raise ConfigError("astream wants an event loop: call it inside a coroutine, name one with "
                                   "loop=, or use stream() from synchronous code") from None
-        return self._registry.generate(self, params or SamplingParams(), prompt, loop)
+        return self._registry.generate(self, params or SamplingParams(), prompt, loop, snapshot_at)
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens (every one where the state holds n or fewer, as a slice does)."""

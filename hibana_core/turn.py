@@ -461,10 +461,16 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 @dataclass(frozen=True)
 class TurnRequest:
-    """What a turn asks the engine for: sync the state to `prompt`, then generate."""
+    """What a turn asks the engine for: sync the state to `prompt`, then generate (`snapshot_at`:
+    `StateHandle.stream`'s, where the template's generation prompt starts)."""
 
     prompt: list[int]
     params: SamplingParams
+    snapshot_at: int | None = None
+
+    def hints(self) -> dict:
+        """The stream call's options beyond params and prompt: only those given."""
+        return {} if self.snapshot_at is None else {"snapshot_at": self.snapshot_at}
 
 
 class TurnRun:
@@ -482,8 +488,9 @@ class TurnRun:
     def __init__(self, prompt: list[int], prefill: str, params: SamplingParams, stream: ToolCallStream,
                  encode: Callable[[str], list[int]], timeout: float | None, max_calls: int | None = None,
                  thinking: Thinking | None = None, calls_held: bool = False,
-                 passed_ends: frozenset[str] = frozenset()) -> None:
+                 passed_ends: frozenset[str] = frozenset(), snapshot_at: int | None = None) -> None:
         self.base, self.prefill, self.params, self.stream = prompt, prefill, params, stream
+        self.snapshot_at = snapshot_at  # where the generation prompt starts (`TurnRequest`)
         self.calls_held = calls_held
         self.passed_ends = passed_ends
         self.thinking = thinking   # splits a reasoning model's thinking off before the tool parser
@@ -512,7 +519,7 @@ class TurnRun:
             raise ContextLengthError("the chat prompt is empty (an empty string or no token ids): nothing to answer; "
                                      "give messages, or a rendered prompt of at least one token (the state is "
                                      "unchanged)")
-        return deltas, TurnRequest(prompt, self.params)
+        return deltas, TurnRequest(prompt, self.params, self.snapshot_at)
 
     def on_event(self, event: "StreamEvent") -> list[ChatDelta]:
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -746,7 +753,7 @@ def run(open_turn: Open, convert: Callable[[ChatDelta], T | None] = _same) -> It
 def _run(turn: TurnRun, handle: "StateHandle", convert: Callable[[ChatDelta], T | None]) -> Iterator[T]:
     deltas, request = turn.begin()
     yield from _converted(deltas, convert)
-    with contextlib.closing(handle.stream(request.params, prompt=request.prompt)) as events, \
+    with contextlib.closing(handle.stream(request.params, prompt=request.prompt, **request.hints())) as events, \
             _stopped_at(turn.deadline, events):
         for event in events:
             yield from _converted(turn.on_event(event), convert)
@@ -852,7 +859,8 @@ async def _submitted(handle: "StateHandle", request: TurnRequest) -> "RequestEve
     """`handle.astream(request)`, submitted from a worker thread: the submission waits on the
     engine's lock, which a step holds; the events still come to this loop."""
     loop = asyncio.get_running_loop()
-    return await _off_loop(functools.partial(handle.astream, request.params, prompt=request.prompt, loop=loop))
+    return await _off_loop(functools.partial(handle.astream, request.params, prompt=request.prompt, loop=loop,
+                                             **request.hints()))
 
 
 @contextlib.contextmanager

@@ -788,3 +788,33 @@ def test_a_hybrid_states_bytes_count_its_recurrent_slots(qwen35, make_engine):
     assert memory["states"]["a"]["bytes"] == seq.num_blocks * per_block + held * slot
     h.close()
     assert engine.recurrent_slots.num_free == free + held
+
+
+def test_a_new_user_turn_continues_from_where_the_generation_prompt_started(tmp_path, make_engine):
+    """A template whose generation prompt opens the think block (Qwen3.5's) and which drops the
+    block when it re-renders the reply cuts the history inside the prompt's end, before the
+    prompt-end snapshot: the chat layer names where the generation prompt starts, the state keeps a
+    snapshot there, and the next user turn continues from it (before: from the start, under 512
+    tokens). Its reply is the one an engine computing the whole turn-2 prompt gives."""
+    from hibana_core.chat import Chat
+    from reasoning_model import ADDED, SPECIAL, TEMPLATE
+    from tiny_models import make_chat_checkpoint
+
+    asked = '{{- "<|im_start|>assistant\\n" -}}'
+    assert asked in TEMPLATE
+    opening = TEMPLATE.replace(asked, '{{- "<|im_start|>assistant\\n<think>\\n" -}}')
+    path = make_chat_checkpoint("qwen3_5", tmp_path / "opens", opening, SPECIAL, ADDED)
+    first = [{"role": "user", "content": "hi there, what is the weather like today in the city?"}]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = make_engine(path)
+    chat = Chat(engine, "a")
+    one = chat.respond(first, params=params)
+    prompt_one = one.usage.prompt_tokens
+    second = first + [{"role": "assistant", "content": one.text, "reasoning_content": one.reasoning},
+                      {"role": "user", "content": "and tomorrow?"}]
+    two = chat.respond(second, params=params)
+    block = len(engine.tokenizer.encode("<think>\n", add_special_tokens=False))
+    assert two.usage.cached_tokens == prompt_one - block  # up to where the generation prompt started
+    fresh = Chat(make_engine(path), "b").respond(second, params=params)
+    assert (two.text, two.reasoning) == (fresh.text, fresh.reasoning)
+    assert fresh.usage.cached_tokens == 0

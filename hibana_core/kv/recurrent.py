@@ -34,8 +34,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
-SNAPSHOTS = 2
-"""Snapshots an agent's state keeps (the ends of its last prompts), oldest dropped first."""
+SNAPSHOTS = 3
+"""Snapshots an agent's state keeps (the ends of its last prompts, and where a chat template's
+generation prompt started: `Request.snapshot_at`), oldest dropped first."""
 STATE_SHARE = 0.5
 """The most of the memory left for agents (their KV and states) that the states' slots take
 (`Engine._size_states`): a hybrid model's KV is a few layers' (Qwen3.5: one in four), its states
