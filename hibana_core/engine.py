@@ -669,9 +669,8 @@ class Engine:
                 raise EngineClosedError("the engine is closed and holds no memory; create a new one with "
                                         "Engine.from_pretrained")
             per_block = self.kv_cache.bytes_per_block_here
-            cache = self._ctx.recurrent if self.recurrent_slots is not None else None  # (a hybrid's state slots)
-            slot_bytes = 0 if cache is None else cache.slot_bytes(cache.shapes, cache.dtype)
-            held = self.registry.kv_bytes(per_block, slot_bytes)
+            slot_bytes = self._ctx.recurrent.bytes_per_slot if self.recurrent_slots is not None else 0
+            held = self.registry.held_bytes(per_block, slot_bytes)
             states = {info.id: {"tier": info.tier, "tokens": info.tokens, "bytes": held[info.id].own,
                                 "shared": held[info.id].shared} for info in self.registry.infos()}
             tier, memory = self.host_tier, self.device_memory
@@ -701,7 +700,7 @@ class Engine:
         live slots, their snapshots, the published states of shared prefixes)."""
         slots, cache = self.recurrent_slots, self._ctx.recurrent
         held = [seq.recurrent for seq in self.registry.sequences() if seq.recurrent is not None]
-        return {"bytes": cache.nbytes, "slot_bytes": cache.slot_bytes(cache.shapes, cache.dtype),
+        return {"bytes": cache.nbytes, "slot_bytes": cache.bytes_per_slot,
                 "slots": slots.num_slots, "free": slots.num_free,
                 "live": sum(r.slot is not None for r in held), "snapshots": sum(len(r.snapshots) for r in held),
                 "published": len(slots.published)}

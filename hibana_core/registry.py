@@ -497,7 +497,7 @@ class StateRegistry:
         with self.lock:
             return {e.handle.id: speculation.acceptance(e.seq) for e in self._entries.values()}
 
-    def kv_bytes(self, per_block: int, slot_bytes: int = 0) -> dict[str, KVBytes]:
+    def held_bytes(self, per_block: int, slot_bytes: int = 0) -> dict[str, KVBytes]:
         """Each state's KV bytes where it lies (its device blocks, or its parked copy as the host
         tier counts it), what it holds alone apart from what other states hold too; a hybrid
         model's states (`slot_bytes` a slot) also hold their recurrent slots alone (the live one and

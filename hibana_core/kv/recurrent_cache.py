@@ -63,8 +63,13 @@ class RecurrentCache:
         return sum(s.nbytes(dtype) for s in shapes)
 
     @property
+    def bytes_per_slot(self) -> int:
+        """What one of this cache's slots takes across all layers."""
+        return self.slot_bytes(self.shapes, self.dtype)
+
+    @property
     def nbytes(self) -> int:
-        return (self.num_slots + 1) * self.slot_bytes(self.shapes, self.dtype)
+        return (self.num_slots + 1) * self.bytes_per_slot
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv, ssm) of the index-th linear layer."""

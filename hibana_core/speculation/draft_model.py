@@ -254,16 +254,17 @@ class DraftModelDrafter:
         layers = kv_layers(a)  # (a hybrid's attention layers)
         per_block = KVCache.bytes_per_block(layers, bs, a.num_kv_heads, a.head_dim, kv_dtype)
         agent_bytes = int(kv_share * engine.kv_cache.nbytes)  # its KV, and a hybrid's states in part of it
+        least = least_blocks(self.max_len, bs)
         state_bytes = agent_bytes
         if getattr(engine, "memory_budget", None) is not None:  # within what its least KV leaves, too: the
             # budget holds max(agent_bytes, the least KV and the fewest slots) for it (`draft_reserve`)
-            state_bytes = min(agent_bytes, 2 * max(agent_bytes - least_blocks(self.max_len, bs) * per_block, 0))
+            state_bytes = min(agent_bytes, 2 * max(agent_bytes - least * per_block, 0))
         self.states = self._recurrent_cache(loaded, state_bytes, sched.max_concurrent_agents, engine.device)
         if num_blocks is None and not per_block:  # no attention layer (a hybrid's layer-skip draft of linear
             num_blocks = engine.pool.num_blocks  # layers alone): its blocks take no memory, they only count positions
         elif num_blocks is None:
             share = (agent_bytes - (0 if self.states is None else self.ctx.recurrent.nbytes)) // per_block
-            num_blocks = min(engine.pool.num_blocks, max(share, least_blocks(self.max_len, bs)))
+            num_blocks = min(engine.pool.num_blocks, max(share, least))
         try:
             self.kv_cache = KVCache(layers, num_blocks, bs, a.num_kv_heads, a.head_dim, kv_dtype, engine.device)
         except (RuntimeError, MemoryError) as exc:
