@@ -22,6 +22,15 @@ from typing import Any
 
 import torch
 
+def _qwen3_5(model_type: str, **fields: Any) -> dict[str, Any]:
+    """A Qwen3.5 language model's preset: what every size shares (attention heads of 256, a quarter
+    of each rotated; linear-attention heads of 128 and their width-4 convolution; the 248k
+    vocabulary, 262k positions), then `fields`."""
+    return dict(model_type=model_type, head_dim=256, vocab_size=248320, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}, **fields)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -46,32 +55,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3.5-35B-A3B's language model: 10 x (3 Gated DeltaNet + 1 gated attention) layers, each
     # MLP top-8 of 256 experts (512 wide) beside a gated shared expert; attention 16 q / 2 kv heads of 256,
     # a quarter of each rotated; linear attention 16 q/k heads serving 32 v heads of 128
-    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
-                            num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=248320,
-                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                            shared_expert_intermediate_size=512, linear_num_key_heads=16,
-                            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                            linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=False,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
-                                             "partial_rotary_factor": 0.25}),
+    "qwen3.5-35b-a3b": _qwen3_5("qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                                moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False),
     # Qwen/Qwen3.5-27B's language model, dense: 16 x (3 Gated DeltaNet + 1 gated attention) layers; attention
     # 24 q / 4 kv heads of 256, a quarter of each rotated; linear attention 16 q/k heads serving 48 v heads of 128
     # (54 GB of bf16 weights: an H100 holds it)
-    "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
-                        tie_word_embeddings=False,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+    "qwen3.5-27b": _qwen3_5("qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                            num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
+                            linear_num_value_heads=48, tie_word_embeddings=False),
     # Qwen/Qwen3.5-0.8B's language model (the draft model for a Qwen3.5 target: the small checkpoints
     # sharing its tokenizer): 6 x (3 Gated DeltaNet + 1 gated attention) layers; attention 8 q / 2 kv
     # heads of 256, a quarter of each rotated; linear attention 16 q/k heads, 16 v heads of 128; tied
-    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320,
-                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-                         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
-                         tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+    "qwen3.5-0.8b": _qwen3_5("qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                             num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
+                             linear_num_value_heads=16, tie_word_embeddings=True),
     # google/gemma-3-12b-it's text model: 5 sliding (window 1024, theta 1e4) : 1 global layer
     # (theta 1e6, linear factor 8)
     "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
