@@ -243,8 +243,10 @@ def sliding_windows(config: Any, reads: Collection[str] = ("layer_types", "use_s
             raise UnsupportedModelError(f"layer_types {unknown} are not supported; Hibana runs 'full_attention' "
                                         "and 'sliding_attention' layers")
         if "sliding_attention" in layer_types:
-            if window is None and getattr(config, "use_sliding_window", None) is False:
-                # (Qwen2 / Qwen3 configs drop sliding_window when use_sliding_window is off)
+            if window is None and "use_sliding_window" in reads \
+                    and getattr(config, "use_sliding_window", None) is False:
+                # (Qwen2 / Qwen3 configs drop sliding_window when use_sliding_window is off; a family
+                # whose masks do not read use_sliding_window, SmolLM3's, meets the check below)
                 raise CheckpointError("config.json's layer_types name sliding_attention layers while "
                                       "use_sliding_window is false, which leaves them no sliding_window "
                                       "(transformers' generate fails on it): set use_sliding_window to true, "

@@ -43,8 +43,10 @@ _FULL_ATTENTION_ONLY = ("llama", "seed_oss")
 
 # transformers' Mistral windows every layer whenever sliding_window is set (use_sliding_window is
 # no field of its config); a mistral config.json with layer_types is read as a Ministral (model_type
-# ministral), whose layers window by layer_types (its config derives them from sliding_window)
-_WINDOWING_READS = {"mistral": ("layer_types",), "ministral3": ("layer_types",)}
+# ministral), whose layers window by layer_types (its config derives them from sliding_window).
+# Ministral 3 reads neither: its mask windows every layer whenever sliding_window is set, whatever
+# layer_types a config.json carries
+_WINDOWING_READS = {"mistral": ("layer_types",), "ministral3": ()}
 
 
 def args_from_config(config: Any) -> DecoderArgs:
