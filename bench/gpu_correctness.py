@@ -817,7 +817,7 @@ def check_grammar(seed: int = 17) -> Iterator[tuple[str, bool, str]]:
 def policies_agree(archs: tuple[str, ...], seed: int, policies: tuple, label: str) -> Iterator[tuple[str, bool, str]]:
     """Each tiny architecture in bf16, batch-1 decode graphs, one prompt at a time, under two
     fusion policies ((name, policy), (name, policy)): the same greedy tokens for 3 of 4 prompts at
-    least (a near-tie may part them; the first difference is reported)."""
+    least (a near-tie may part them; the first difference is reported, under the policies' names)."""
     from hibana_kernels import fusion
 
     params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -831,7 +831,8 @@ def policies_agree(archs: tuple[str, ...], seed: int, policies: tuple, label: st
         firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32) for x, y in zip(*runs)]
         same = sum(f == 32 for f in firsts)
         yield (f"bf16 {arch} {label}", same >= len(prompts) - 1,
-               f"{same}/4 prompts equal; first difference at {firsts}")
+               f"{policies[0][0]} vs {policies[1][0]}: {same}/{len(prompts)} prompts equal; "
+               f"first difference at {firsts}")
 
 
 def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
@@ -842,7 +843,7 @@ def check_moe_fusion() -> Iterator[tuple[str, bool, str]]:
 
     yield from policies_agree(("qwen3_moe", "gpt_oss"), 41,
                               (("1 launch", dataclasses.replace(fusion.AUTO, moe_norm_route=True)),
-                               ("3 launches", fusion.AUTO)), "moe_norm_route on vs off")
+                               ("3 launches", fusion.AUTO)), "moe_norm_route")
 
 
 def check_unit_offset_fold() -> Iterator[tuple[str, bool, str]]:
@@ -852,7 +853,7 @@ def check_unit_offset_fold() -> Iterator[tuple[str, bool, str]]:
     from hibana_kernels import fusion
 
     yield from policies_agree(("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3"), 43,
-                              (("folded", fusion.AUTO), ("separate", fusion.OFF)), "Gemma's norm folded vs separate")
+                              (("folded", fusion.AUTO), ("separate", fusion.OFF)), "Gemma's norm")
 
 
 def check_moe_a8() -> Iterator[tuple[str, bool, str]]:
