@@ -150,11 +150,15 @@ def context_limit(args: Any) -> int:
     """The most positions the model serves: max_position_embeddings, or further where a YaRN rope
     stretches its original_max_position_embeddings by its factor (Qwen's long-context recipe adds
     one to config.json and leaves max_position_embeddings as it was; vLLM derives its context
-    alike, and transformers rotates every position the same way below it and past it)."""
+    alike, and transformers rotates every position the same way below it and past it). Not where a
+    layer's rope is LongRoPE or dynamic NTK (Gemma 3 and OLMo 3 give each layer kind its own):
+    LongRoPE's tables hold the long rotation's rows past max_position_embeddings, and past it
+    transformers rescales a dynamic rope by the length of each forward, which its cache keeps
+    rotated as it was and no paged cache reproduces."""
     limit = args.max_position_embeddings
     ropes = getattr(args, "ropes", None) or ()
-    if any(getattr(rope, "rope_type", None) == "longrope" for rope in ropes):
-        return limit  # (its tables hold the long rotation's rows past max_position_embeddings)
+    if any(getattr(rope, "rope_type", None) in ("longrope", "dynamic") for rope in ropes):
+        return limit
     for rope in dict.fromkeys(ropes):
         if getattr(rope, "rope_type", None) == "yarn":
             scaling = dict(rope.scaling)

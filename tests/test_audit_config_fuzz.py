@@ -66,3 +66,24 @@ def test_smollm3_sliding_layers_without_a_window_are_a_checkpoint_error(tmp_path
                                 layer_types=["sliding_attention", "full_attention", "full_attention"])
     with pytest.raises(CheckpointError, match="sliding_window is None"):
         open_engine(path)
+
+
+def test_a_dynamic_rope_beside_a_yarn_one_keeps_the_context_at_max_position_embeddings(tmp_path, make_engine):
+    """Gemma 3 gives each layer kind its own rope: dynamic NTK on the sliding layers, YaRN (factor 4
+    over 64) on the global ones. The YaRN layer stretched the context to 256 positions, where
+    transformers rescales the dynamic layers by the length of each forward (its cache keeping keys
+    rotated as they were) and Hibana rotated them unscaled: max_model_len=200 on a 100-token history
+    left transformers at generated token 6 (top-2 gap 0.2). It is refused now, as for LongRoPE;
+    within max_position_embeddings both layer kinds match."""
+    from hibana_core import ConfigError, SamplingParams
+
+    ropes = {"sliding_attention": dict(rope_type="dynamic", rope_theta=1e4, factor=2.0),
+             "full_attention": dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64)}
+    path = make_tiny_checkpoint("gemma3", tmp_path / "gemma3", max_position_embeddings=64, rope_parameters=ropes)
+    with pytest.raises(ConfigError, match="context of 64 positions"):
+        make_engine(path, max_model_len=200)
+    engine = make_engine(path)
+    assert engine.max_model_len == 64
+    history = [random.Random(41).randrange(1, 512) for _ in range(40)]
+    c = engine.open_state("a").generate(SamplingParams(max_tokens=24, ignore_eos=True), prompt=history)
+    assert_greedy_matches(path, history, c.token_ids)
