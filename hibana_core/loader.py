@@ -505,7 +505,7 @@ def _load_weights(module: torch.nn.Module, path: Path, progress: bool, manifest:
 
         fmt = parse_quantization_config(quantization)
         consumed = load_packed_layers(module, set(stored), read_ours, fmt, getattr(module, "fused_layers", {}),
-                                      str(path), device, progress)
+                                      str(path), device, progress, lambda name: stored[name][0])
         if fmt.kind == "fp8":  # fp8 MoE experts: dequantized into the float stacks
             expert_readers, beside = fp8_expert_readers(module, set(stored) - consumed, read_ours, fmt, str(path))
             readers = {stored[name][0]: reader for name, reader in expert_readers.items()}

@@ -283,7 +283,8 @@ def _parse_compressed_tensors(cfg: dict) -> QuantFormat:
     cfg, group_order = _group_actorder(cfg)
     try:
         qc = QuantizationConfig.model_validate(cfg)
-    except ValueError as e:  # pydantic's ValidationError is a ValueError
+    except (ValueError, TypeError, KeyError, NotImplementedError) as e:  # pydantic's ValidationError is a
+        # ValueError; the library's own validators raise the others (a group_size "128", a 1-bit float)
         raise CheckpointError(f"malformed compressed-tensors quantization_config: {e}") from None
     status = str(getattr(qc.quantization_status, "value", qc.quantization_status))
     if status != "compressed":
@@ -291,7 +292,7 @@ def _parse_compressed_tensors(cfg: dict) -> QuantFormat:
                               "not stored packed; Hibana loads 'compressed' checkpoints")
     for key in ("sparsity_config", "transform_config"):
         extra = cfg.get(key)
-        if extra and (key != "sparsity_config" or extra.get("format", "dense") != "dense"):
+        if extra and (key != "sparsity_config" or not isinstance(extra, dict) or extra.get("format", "dense") != "dense"):
             raise CheckpointError(f"compressed-tensors checkpoint with a {key}: sparse or rotated "
                                   f"weights are not supported; supported: {SUPPORTED}")
     if qc.kv_cache_scheme is not None:

@@ -24,14 +24,16 @@ __all__ = ["fp8_expert_readers", "load_packed_layers", "parse_quantization_confi
 
 def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[[str], torch.Tensor],
                        fmt: QuantFormat, fused: dict[str, tuple[str, ...]], where: str,
-                       device: torch.device, progress: bool) -> set[str]:
+                       device: torch.device, progress: bool,
+                       checkpoint_name: Callable[[str], str] = lambda name: name) -> set[str]:
     """Give every linear layer whose checkpoint tensors are packed its packed weight; return the
     checkpoint names consumed. `fused`: a layer of ours -> the checkpoint layers it concatenates
     along its outputs (e.g. qkv_proj -> q_proj, k_proj, v_proj). A layer is packed exactly when
     its checkpoint holds the format's first tensor (`qweight`, `weight_packed`), or for fp8 a
     weight scale. `device`: where the packed tensors go (the model's, whose dense weights are still
     unallocated, on meta, as the loader calls this); `progress`: a bar of the layers read (a 70B
-    checkpoint's take minutes, before the weights' own bar)."""
+    checkpoint's take minutes, before the weights' own bar); `checkpoint_name`: the checkpoint's
+    name of a tensor of ours (a multimodal checkpoint's language_model.model.* for our model.*)."""
     if fmt.kind == "fp8":
         return _load_fp8_layers(module, names, read, fmt, fused, where, device, progress)
     first = fmt.tensor_names[0]
@@ -43,7 +45,10 @@ def load_packed_layers(module: torch.nn.Module, names: set[str], read: Callable[
         if not all(present):
             raise CheckpointError(f"{where}: {name} joins {', '.join(parts)}, of which only some are quantized; "
                                   "Hibana computes them as one layer and needs them alike")
-        unquantized = [p for p in parts if not fmt.is_quantized(p)]
+        # the config names modules as the checkpoint does (vLLM maps its patterns so) or as the model
+        # does; a layer either name says is quantized is
+        unquantized = [p for p in parts if not fmt.is_quantized(p)
+                       and not fmt.is_quantized(checkpoint_name(f"{p}.{first}").removesuffix(f".{first}"))]
         if unquantized:
             raise CheckpointError(f"{where}: {unquantized[0]} is stored packed, and the quantization_config says it "
                                   "is not quantized (modules_to_not_convert, a dynamic '-:' pattern, lm_head or "
