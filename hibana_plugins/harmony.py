@@ -92,11 +92,8 @@ class _HarmonyStream(_Stream):
             if self._mode == "header":
                 at = self._find(MESSAGE)
                 if at < 0:
-                    if final:  # no harmony markup: plain content; a header max_tokens cut: dropped
-                        cut = min((at for m in (START, CHANNEL) if (at := self._find(m)) >= 0),
-                                  default=len(self._buffer))
-                        self._text(out, self._take(cut))
-                        self._take(len(self._buffer))
+                    if final:
+                        self._end_in_header(out)
                     return
                 self._read_header(at)
                 self._take(at + len(MESSAGE))
@@ -117,6 +114,33 @@ class _HarmonyStream(_Stream):
             self._mode = "header"
             if end < 0:
                 return
+
+    def _end_in_header(self, out: list) -> None:
+        """The output ended before a header's <|message|> (max_tokens cut it). Text with no harmony
+        markup before it is content; the header is dropped, but one that calls a function is a call
+        cut off (`CUT_RECIPIENT`; named where the header had ended its name). A recipient written
+        first (" to=functions.NAME<|channel|>...", which the grammar allows) is header, never
+        content: it leaked into the content, and the cut call was no invalid call."""
+        first = min((at for m in (START, CHANNEL) if (at := self._find(m)) >= 0), default=len(self._buffer))
+        head = self._buffer[:first].strip()
+        begin = 0
+        while (at := self._find(START, begin)) >= 0:
+            begin = at + len(START)
+        before, header = self._buffer[:first], self._take(len(self._buffer))[begin:]
+        recipient_first = (CUT_RECIPIENT + FUNCTIONS).startswith(head) or head.startswith(CUT_RECIPIENT)
+        if not recipient_first:  # no harmony markup before it: plain content
+            self._text(out, before)
+            header = header[first:] if begin == 0 else header
+        recipient = _RECIPIENT.search(header)
+        target = recipient.group(1) if recipient else ""
+        if not (self._calls_allowed and (target.startswith(FUNCTIONS) or FUNCTIONS.startswith(target))
+                and (recipient or recipient_first and head)):
+            return  # not a call's header (or calls are not allowed): dropped
+        whole = recipient is not None and target.startswith(FUNCTIONS) and recipient.end() < len(header)
+        name = target.removeprefix(FUNCTIONS) if whole else ""
+        # (nameless: its text never reads as `to=functions.NAME`, whose name `cut_call_parts` would take)
+        self._reject(out, f"{CUT_RECIPIENT}{target} " if name else header.strip().removeprefix(CUT_RECIPIENT),
+                     f"the output ended inside the header of a call{f' of {name!r}' if name else ''}", cut=True)
 
     def _text(self, out: list, text: str, cut: bool = False) -> None:
         """Content, a message's one line apart from an earlier one's (a preamble, then the final
@@ -191,8 +215,12 @@ class _HarmonyStream(_Stream):
             if not self._calls_allowed:
                 self._reject(out, body, f"a call of {name!r}, where no tools may be called", cut)
                 return
-            decoded = _decode_arguments(name, body)
-            if decoded.error is None:
+            # a body cut before its arguments began is a cut call: blank is {} only in a whole <|message|><|call|>
+            decoded = _decode_arguments(name, body) if body.strip() or not cut else None
+            if decoded is None:
+                self._reject(out, f"{CUT_RECIPIENT}{self._recipient} ", f"the output ended before the arguments of "
+                             f"{name!r}", cut)
+            elif decoded.error is None:
                 self._accept(out, decoded)
             else:  # a cut call keeps its recipient before its body: whom it called (`cut_call_parts`)
                 self._reject(out, f"{CUT_RECIPIENT}{self._recipient} {body}" if cut else body, decoded.error, cut)
@@ -270,9 +298,10 @@ class HarmonyToolParser:
 
     def cut_call_parts(self, cut_call: str) -> tuple[str, str]:
         """(the name, the arguments so far) of a call max_tokens cut off (`CUT_RECIPIENT`), as a
-        cut hermes call's: its JSON as far as it was written; ("", "") for other text."""
-        head, space, body = cut_call.lstrip().partition(" ")
-        if not space or not head.startswith(CUT_RECIPIENT + FUNCTIONS):
+        cut hermes call's: its JSON as far as it was written (none: cut before its body); ("", "") for
+        other text."""
+        head, _, body = cut_call.lstrip().partition(" ")
+        if not head.startswith(CUT_RECIPIENT + FUNCTIONS):
             return "", ""
         return head.removeprefix(CUT_RECIPIENT + FUNCTIONS), body
 
