@@ -978,6 +978,10 @@ class ChatHibana(BaseChatModel):
         model = kwargs.get("model") or self.model
         chat = self._chat_layer(model)
         tools, choice = kwargs.get("tools") or None, kwargs.get("tool_choice", "auto")
+        if isinstance(tools, Sequence) and not isinstance(tools, (str, bytes)):
+            # tools given per call (invoke(..., tools=[...])) are taken as bind_tools takes them: a
+            # @tool, a pydantic model or a function is described as it binds; dicts are as given
+            tools = [t if isinstance(t, Mapping) else _bound_tool(i, t, None) for i, t in enumerate(tools)]
         answer_tool = kwargs.get("answer_tool")  # from with_structured_output(method="json_schema"/"json_mode")
         answer_schema = None
         if answer_tool is not None and not chat.renders_tools():

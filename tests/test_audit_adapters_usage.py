@@ -7,7 +7,6 @@ from typing import Literal
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def harmony_engine(tmp_path_factory):
     """An engine on test_harmony's tiny gpt_oss checkpoint with harmony's tokens and template."""
@@ -55,3 +54,20 @@ def test_a_harmony_call_cut_in_its_header_is_an_invalid_call_not_content(harmony
     assert response.message.content == ""
     with pytest.raises(ValueError, match="raise max_tokens"):
         li.get_tool_calls_from_response(response)
+
+
+def test_tools_given_per_call_are_taken_as_bind_tools_takes_them(harmony_engine):
+    """`invoke(..., tools=[@tool or function])` (as ChatOllama takes them) was a ToolSchemaError
+    ("tool 0 is a StructuredTool") that never said bind_tools would have taken it; now such tools
+    are described as bind_tools describes them, and the call is the bound call's."""
+    pytest.importorskip("langchain_core")
+    from langchain_core.tools import tool
+
+    from hibana_plugins.langchain import ChatHibana
+
+    llm = ChatHibana(engine=harmony_engine, max_tokens=64)
+    bound = llm.bind_tools([lookup], tool_choice="lookup").invoke("Forecast for Oslo?")
+    for given in (lookup, tool(lookup)):
+        reply = llm.invoke("Forecast for Oslo?", tools=[given], tool_choice="lookup")
+        assert [(c["name"], c["args"]) for c in reply.tool_calls] == [(c["name"], c["args"]) for c in bound.tool_calls]
+    assert bound.tool_calls and bound.tool_calls[0]["name"] == "lookup"
