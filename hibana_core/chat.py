@@ -176,6 +176,7 @@ class Chat:
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
         self._floor: list[TokenFloor | None] = []  # `token_floor` of the tokenizer, once found: shared by `on`
+        self._lead: list[int | None] = []  # the special token markup past the text's start follows (`_resumed`), once
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
         self._openings: list[tuple[str, ...]] = []  # where a reply starts (`_reply_openings`), once
         self._gap: list[str | None] = []  # what the template writes between a think block and the answer, once
@@ -572,10 +573,10 @@ class Chat:
                 kept, at = end, len(held_text)
                 if end == ends[-1]:
                     kept, at = self._stopped_reply(held, end, text, at)
-                return held[:kept] + self._encode_fitting(text, at, kept)
+                return held[:kept] + self._encode_fitting(text, at, kept, held[kept - 1])
             bare = self._without_thinking(held_text)[0] if generated else ""
             if bare and stripped.startswith(bare):  # the prompt left this reply's thinking out
-                return held[:end] + self._encode_fitting(text, positions[len(bare) - 1] + 1, end)
+                return held[:end] + self._encode_fitting(text, positions[len(bare) - 1] + 1, end, held[end - 1])
         return self._encode_fitting(text)
 
     def _stopped_reply(self, held: Sequence[int], end: int, text: str, at: int) -> tuple[int, int]:
@@ -632,14 +633,17 @@ class Chat:
                                     f"{self.engine.vocab_size}); tokenize with this model's tokenizer")
         return list(prompt)
 
-    def _encode(self, text: str, start: int = 0) -> list[int]:
+    def _encode(self, text: str, start: int = 0, after: int | None = None) -> list[int]:
         """Token ids of `text[start:]`: the template's markup as `apply_chat_template(tokenize=True)`
-        encodes it (control tokens included), a Prompt's content spans as plain text."""
+        encodes it (control tokens included), a Prompt's content spans as plain text; a piece past
+        the text's start as the tokenizer tokenizes it after what precedes it (`after`: the state's
+        token before `start`)."""
         if prompt.spans_of(text) and not self._plain:
             self._plain["encode"] = prompt.plain_encoder(self.engine.tokenizer)
         if getattr(text, "word_spans", None) and "words" not in self._plain:  # a tool's content: no added token
             self._plain["words"] = prompt.plain_encoder(self.engine.tokenizer, words=True)
-        ids = prompt.encode(text, start, self._markup, self._plain.get("encode"), self._plain.get("words"))
+        ids = prompt.encode(text, start, self._markup, self._plain.get("encode"), self._plain.get("words"),
+                            lambda encoder, at: self._resumed(encoder, after if at == start else None))
         if ids and max(ids) >= self.engine.vocab_size:  # the tokenizer and the checkpoint disagree
             past = sorted({t for t in ids if t >= self.engine.vocab_size})
             texts = self.engine.tokenizer.convert_ids_to_tokens(past[:5])
@@ -650,7 +654,7 @@ class Chat:
                 "resizing the model): give the checkpoint its own tokenizer")
         return ids
 
-    def _encode_fitting(self, text: str, start: int = 0, kept: int = 0) -> list[int]:
+    def _encode_fitting(self, text: str, start: int = 0, kept: int = 0, after: int | None = None) -> list[int]:
         """`_encode(text, start)` for a prompt that follows `kept` tokens of the state; a text too
         long to fit the context whatever its tokens (`token_floor`) is refused before it is
         tokenized (a 6 MB tool result took seconds to tokenize only to be refused)."""
@@ -664,7 +668,24 @@ class Chat:
                 raise ContextLengthError(f"the prompt is at least {least} tokens ({len(text) - start} characters), "
                                          f"more than the model's context of {limit}; shorten the history "
                                          "(the state is unchanged)")
-        return self._encode(text, start)
+        return self._encode(text, start, after)
+
+    def _resumed(self, encoder: prompt.Encoder, after: int | None) -> prompt.Encoder:
+        """`encoder` for a piece that follows other tokens (`prompt.resumed`): a plain encoder after
+        its own lead token; the markup after `after` where that is a control token or markup word
+        (so that its rstrip takes what it takes in the whole text), else after a special token
+        that strips nothing."""
+        if encoder != self._markup:
+            return getattr(encoder, "resumed", encoder)
+        if after not in self.control_ids and after not in self.word_ids:
+            if not self._lead:
+                decoder = getattr(self.engine.tokenizer, "added_tokens_decoder", None) or {}
+                self._lead.append(next((i for i, t in sorted(decoder.items()) if t.special and not t.lstrip
+                                        and not t.rstrip and self._markup(t.content) == [i]), None))
+            after = self._lead[0]
+        if after is None:
+            return encoder
+        return prompt.resumed(encoder, self.engine.tokenizer.decode([after], skip_special_tokens=False), [after])
 
     def ended_at_context(self, result: ChatResult) -> bool:
         """Whether the model's context, not max_tokens, ended a reply ("length"): what to say of a

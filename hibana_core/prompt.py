@@ -178,12 +178,19 @@ def render(template: Callable[[list[dict], Any], str], messages: list[dict], too
     return locate(rendered, template(masked_messages, masked_tools), masker)
 
 
-def encode(text: str, start: int, markup: Callable[[str], list[int]], plain: Callable[[str], list[int]],
-           plain_words: Callable[[str], list[int]] | None = None) -> list[int]:
+Encoder = Callable[[str], list[int]]
+
+
+def encode(text: str, start: int, markup: Encoder, plain: Encoder, plain_words: Encoder | None = None,
+           resume: Callable[[Encoder, int], Encoder] | None = None) -> list[int]:
     """Token ids of `text[start:]`: its spans through `plain` (no control tokens), its word spans
     through `plain_words` (no added token at all), the rest through `markup`. With no span from
-    `start` on, `markup(text[start:])`, as before."""
+    `start` on, `markup(text[start:])`, as before. A piece that begins past the text's start
+    follows other tokens: `resume(encoder, at)` tokenizes it (`resumed`), where given."""
     out, pos = [], start
+
+    def by(encoder: Encoder, at: int) -> Encoder:
+        return resume(encoder, at) if resume is not None and at > 0 else encoder
     words = getattr(text, "word_spans", frozenset())
     for a, b in spans_of(text):
         if b <= pos:
@@ -191,12 +198,27 @@ def encode(text: str, start: int, markup: Callable[[str], list[int]], plain: Cal
         spelled = plain_words if (a, b) in words and plain_words is not None else plain
         a = max(a, pos)
         if a > pos:
-            out += markup(text[pos:a])
-        out += spelled(text[a:b])
+            out += by(markup, pos)(text[pos:a])
+        out += by(spelled, a)(text[a:b])
         pos = b
     if pos < len(text) or not out:
-        out += markup(text[pos:])
+        out += by(markup, pos)(text[pos:])
     return out
+
+
+def resumed(encoder: Encoder, lead: str, lead_ids: Sequence[int]) -> Encoder:
+    """`encoder` for text that follows a token (`lead`, its text, which `encoder` makes `lead_ids`)
+    instead of beginning the input: as the tokenizer tokenizes the text there within one whole
+    text. A SentencePiece tokenizer (a Metaspace with prepend_scheme "first": Llama's, Mistral's,
+    Phi-3's under transformers 5) writes "▁" before the input's first word only, and a token
+    with rstrip takes the whitespace after it; a piece tokenized alone got a "▁" the whole text
+    does not have. Where `lead` does not tokenize apart from the text, the text alone."""
+    lead_ids = list(lead_ids)
+
+    def encode(text: str) -> list[int]:
+        ids = encoder(lead + text)
+        return ids[len(lead_ids):] if ids[:len(lead_ids)] == lead_ids else encoder(text)
+    return encode
 
 
 def plain_encoder(tokenizer: Any, words: bool = False) -> Callable[[str], list[int]]:
@@ -219,10 +241,24 @@ def plain_encoder(tokenizer: Any, words: bool = False) -> Callable[[str], list[i
     else:
         backend = Tokenizer.from_str(backend.to_str())
     backend.encode_special_tokens = True
+    return _Plain(backend)
 
-    def plain(text: str) -> list[int]:
-        return backend.encode(text, add_special_tokens=False).ids
-    return plain
+
+class _Plain:
+    """`plain_encoder`'s encoder; `resumed` tokenizes text that follows other tokens, after a lead
+    token of its own that no text spells (an added token that is not special: the copy makes it,
+    and encodes special tokens' text as text)."""
+
+    def __init__(self, backend: Any) -> None:
+        from tokenizers import AddedToken
+
+        self.backend = backend
+        self.lead = f"<hibana-lead-{uuid.uuid4().hex}>"
+        backend.add_tokens([AddedToken(self.lead, special=False, normalized=False)])
+        self.resumed = resumed(self, self.lead, [backend.token_to_id(self.lead)])
+
+    def __call__(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
 
 
 def markup_words(tokenizer: Any) -> list[str]:
