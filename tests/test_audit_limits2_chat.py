@@ -37,8 +37,8 @@ def test_a_tool_result_far_past_the_context_is_refused_before_it_is_tokenized(de
     held = demo.open_state("huge-result").tokens
     encoded = []
     real = Chat._encode
-    monkeypatch.setattr(Chat, "_encode", lambda self, text, start=0: encoded.append(len(text) - start)
-                        or real(self, text, start))
+    monkeypatch.setattr(Chat, "_encode", lambda self, text, start=0, after=None: encoded.append(len(text) - start)
+                        or real(self, text, start, after))
     huge = "word " * 200_000  # 1 MB: its fewest tokens are far past 256
     with pytest.raises(ContextLengthError, match="more than the model's context of 256; shorten the history"):
         if lease:
@@ -148,8 +148,8 @@ def test_a_prefill_far_past_the_context_is_refused_before_it_is_tokenized(demo, 
     """A 5 MB prefill was tokenized whole (8 s) before the prompt it made was refused."""
     encoded = []
     real = Chat._encode
-    monkeypatch.setattr(Chat, "_encode", lambda self, text, start=0: encoded.append(len(text) - start)
-                        or real(self, text, start))
+    monkeypatch.setattr(Chat, "_encode", lambda self, text, start=0, after=None: encoded.append(len(text) - start)
+                        or real(self, text, start, after))
     with pytest.raises(ContextLengthError, match="more than the model's context of 256"):
         demo.chat("huge-prefill").respond([{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=2),
                                           prefill="word " * 100_000)
