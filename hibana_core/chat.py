@@ -70,6 +70,9 @@ message, their EOS)."""
 RUN_PAST_STOP = 2 * (MAX_DRAFT_TOKENS + 1)
 """Tokens a request may generate past the stop a turn asked for: the step that saw it and the one
 launched after it (async scheduling), each up to a verify's accepted drafts and its bonus token."""
+LOSSY = "\ufffd"
+"""What a tokenizer decodes bytes that are no UTF-8 as (a character a reply cut, byte-fallback
+tokens out of order): held tokens whose text holds it may spell other bytes than the prompt's."""
 
 
 class TokenIds(tuple):
@@ -569,6 +572,8 @@ class Chat:
         stripped, positions = self._without_thinking(text) if generated else (text, [])
         for end in reversed(ends):  # usually the last one matches: the previous reply, unchanged
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
+            if LOSSY in held_text:  # bytes no text holds (a character cut) decode as it: they spell another text
+                continue
             if text.startswith(held_text) and self._controls_are_markup(held[:end], text):
                 kept, at = end, len(held_text)
                 if end == ends[-1]:
@@ -589,6 +594,8 @@ class Chat:
         if end == len(held) or not closes:
             return end, at
         want = text[at:min(closes)]
+        if LOSSY in want:  # a cut character's bytes decode as it, and spell another text than the prompt's
+            return end, at
         for kept in range(len(held), max(end, len(held) - RUN_PAST_STOP - 1), -1):  # RUN_PAST_STOP tokens at most
             got = self.engine.tokenizer.decode(held[end:kept], skip_special_tokens=False)
             if got == want and self._controls_are_markup(held[:kept], text):

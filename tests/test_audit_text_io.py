@@ -83,3 +83,23 @@ def test_contents_holding_control_text_tokenize_to_the_rendered_text(phi3_like):
         benign = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True,
                                                add_generation_prompt=True)["input_ids"]
         assert [t for t in ids if t in controls] == [t for t in benign if t in controls], content
+
+
+def test_a_reply_holding_bytes_no_text_holds_is_tokenized_as_its_text(phi3_like):
+    """A reply's byte tokens that are no UTF-8 (a character max_tokens cut, bytes out of order)
+    decode as U+FFFD, the text the next turn's history holds; the state's tokens seemed to spell
+    it and were kept, so the model answered other bytes than transformers' generate on the
+    rendered history ("\\xe8\\x94" where apply_chat_template has "\\ufffd\\ufffd"'s bytes)."""
+    engine, path = phi3_like
+    tokenizer = engine.tokenizer
+    cut = tokenizer.convert_tokens_to_ids(["<0xE8>", "<0x94>"])
+    user = [{"role": "user", "content": "hello there"}]
+    opening = list(tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True)["input_ids"])
+    messages = [*user, {"role": "assistant", "content": tokenizer.decode(cut)}, {"role": "user", "content": "next"}]
+    rendered = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
+    for held in (opening + cut + [tokenizer.convert_tokens_to_ids("<|end|>")], opening + cut):  # ended, cut
+        engine.open_state("lossy").sync(held)
+        assert Chat(engine, "lossy").prompt_ids(messages) == rendered
+    result = Chat(engine, "lossy").respond(messages, params=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert engine.open_state("lossy").tokens[:result.usage.prompt_tokens] == rendered
+    assert_greedy_matches(path, rendered, engine.open_state("lossy").tokens[len(rendered):])
