@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import math
 import numbers
@@ -656,6 +657,12 @@ class SamplingParams:
                 or (isinstance(grammar, dict) and grammar.get("type") == "structural_tag")):
             raise GrammarError(f"grammar must be EBNF text or a structural tag dict "
                                f"({{'type': 'structural_tag', 'format': ...}}), got {grammar!r:.80}")
+
+
+# inspect (help(), IDEs, tests) reads a class's __new__ before its __init__: without this the fields
+# and their defaults showed as (*args, **kwargs)
+_init = inspect.signature(SamplingParams.__init__)
+SamplingParams.__signature__ = _init.replace(parameters=list(_init.parameters.values())[1:])
 
 
 def needs_history(p: SamplingParams) -> bool:

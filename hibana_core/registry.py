@@ -481,6 +481,8 @@ class StateRegistry:
             self.core.end_cancelled()
             busy = self._busy()
             since = time.time() - time.monotonic()  # last uses are kept on the monotonic clock
+            if not self._entries:  # a closed engine holds none (and has dropped its cache)
+                return []
             blocks = self.kv_cache.layout.in_blocks  # its pages, in the blocks kv_device_blocks counts
             return [StateInfo(e.handle.id, len(e.seq), min(e.seq.num_computed, len(e.seq)),
                               blocks(e.seq.num_blocks, up=True), _tier(e.seq),

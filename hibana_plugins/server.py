@@ -296,6 +296,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     app.add_middleware(CORSMiddleware, allow_origins=["*"] if anyone else list(config.allowed_origins),
                        allow_origin_regex=None if anyone else LOCAL_ORIGINS, allow_methods=["GET", "POST", "DELETE"],
                        allow_headers=["*"], expose_headers=[STATE_HEADER], max_age=600)
+    app.engine = engine  # every adapter object exposes the engine it runs on (DESIGN.md)
     app.state.drain = Drain()
     chat = Chat(engine, tool_parser=config.tool_parser)
     text_chat = copy.copy(chat)  # legacy completions: the text as generated, a model's thinking left in it
