@@ -70,6 +70,8 @@ class ChatResult:
     reasoning: str = ""       # the model's thinking (`<think>...</think>`), apart from `text`
     cut_call: str = ""        # the end of `text` that is a call max_tokens cut off (the parser's `CutCall`)
     stop_sequence: str | None = None  # the stop string (SamplingParams.stop) that ended the turn, if one did
+    call_offsets: tuple[int, ...] = ()  # where each call stood in `text` (the text streamed before it):
+    # a reply in blocks (Anthropic's, the Responses API's) keeps text written after a call after it, as streamed
 
     @property
     def content(self) -> str:
@@ -499,6 +501,8 @@ class TurnRun:
         self.deadline = time.monotonic() + min(timeout, threading.TIMEOUT_MAX) if timeout else None
         self.max_calls = max_calls
         self.calls = 0             # tool calls streamed so far
+        self.call_offsets: list[int] = []  # the content streamed before each of them (`ChatResult.call_offsets`)
+        self._streamed = 0         # characters of content streamed so far
         self.text = ""             # the assistant turn so far
         self.usage: Usage | None = None
         self.generated = 0
@@ -586,7 +590,8 @@ class TurnRun:
         reasoning = self.thinking.text if self.thinking is not None else getattr(self.stream, "reasoning", "").strip()
         cut_call = "".join(d.text for d in closing if d.cut_call)
         return deltas + [ChatDelta(result=result(parsed, self.text, self.finish_reason, usage, self.logprobs,
-                                                 reasoning, cut_call, self.stop_string))]
+                                                 reasoning, cut_call, self.stop_string,
+                                                 tuple(self.call_offsets[:len(parsed.tool_calls)])))]
 
     def stop_now(self) -> bool:
         """Whether the driver should stop the current request now (once): the turn holds all the
@@ -643,8 +648,11 @@ class TurnRun:
                 cut = isinstance(piece, CutCall) and (self.finish_reason == "length"
                                                       or self.finish_reason == "stop" and self.calls_held)
                 out.append(ChatDelta(text=piece, cut_call=cut))
+                self._streamed += len(piece)
             elif self.max_calls is None or piece.index < self.max_calls:
-                self.calls += piece.id is not None
+                if piece.id is not None:
+                    self.calls += 1
+                    self.call_offsets.append(self._streamed)
                 out.append(ChatDelta(tool_call=piece))
         return out
 
@@ -679,7 +687,7 @@ def _without_spans(text: GeneratedText, dropped: frozenset[str]) -> GeneratedTex
 
 def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,
            logprobs: "list[TokenLogprob] | None" = None, reasoning: str = "", cut_call: str = "",
-           stop_sequence: str | None = None) -> ChatResult:
+           stop_sequence: str | None = None, call_offsets: tuple[int, ...] = ()) -> ChatResult:
     """What a turn comes to. Model output never raises: a malformed call is text, and says so.
 
     The calls that parsed are kept and a malformed or cut-off call stays in the text where it
@@ -694,7 +702,7 @@ def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage
     else:
         reason = MALFORMED if parsed.error else "tool_calls" if parsed.tool_calls else finish_reason
     return ChatResult(parsed.content, parsed.tool_calls, reason, usage, parsed.error, raw_text, logprobs, reasoning,
-                      cut_call, stop_sequence)
+                      cut_call, stop_sequence, call_offsets)
 
 
 def openai_finish_reason(result: ChatResult) -> str:

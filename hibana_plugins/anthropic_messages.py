@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from hibana_core.turn import ChatDelta, ChatResult
-from hibana_plugins.openai_api import ApiError, ChatRequest, Reply, _answer, joined, json_text, parse_request
+from hibana_plugins.openai_api import ApiError, ChatRequest, Reply, in_order, joined, json_text, parse_request
 
 if TYPE_CHECKING:
     from hibana_core.chat import Chat
@@ -163,6 +163,8 @@ def _block_text(block: Any, where: str) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind == "text" and isinstance(block.get("text"), str):
         return block["text"]
+    if kind == "text":
+        raise ApiError(400, f"{where} is a text block without its text (a string)", where.split("[")[0])
     raise _unreadable(kind, where)
 
 
@@ -214,7 +216,9 @@ def _assistant(blocks: list, where: str) -> dict:
         at = f"{where}.content[{j}]"
         if kind == "text":
             texts.append(_block_text(block, at))
-        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise ApiError(400, f"{at} is a thinking block without its thinking (a string)", "messages")
             thinking.append(block["thinking"])
         elif kind == "redacted_thinking":
             continue  # encrypted by Anthropic's models: nothing a template could render
@@ -357,12 +361,12 @@ class MessagesReply(Reply):
         content: list[dict] = []
         if result.reasoning:
             content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
-        text = _answer(result)
-        if text:
-            content.append({"type": "text", "text": text})
-        for call in result.tool_calls:
-            content.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
-                            "input": call.arguments})
+        for piece in in_order(result):  # text written after a call stays after it, as streamed
+            if isinstance(piece, str):
+                content.append({"type": "text", "text": piece})
+            else:
+                content.append({"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name,
+                                "input": piece.arguments})
         return self._message(content, result)
 
     def _message(self, content: list[dict], result: ChatResult | None) -> dict:

@@ -32,6 +32,7 @@ from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
 
 if TYPE_CHECKING:
     from hibana_core.chat import Chat
+    from hibana_plugins.hookspecs import ToolCall
 
 STATE_HEADER = "X-Hibana-State"
 MAX_STATE_ID = 256  # characters of an id a client names its state by
@@ -615,6 +616,21 @@ def _answer(result: ChatResult) -> str:
     parsers leave a call they cannot parse, so that the reply does not come back empty with
     finish "stop" and nothing to say a call was begun."""
     return result.content if result.finish_reason == "length" else result.text
+
+
+def in_order(result: ChatResult) -> list[str | ToolCall]:
+    """A reply's answer (`_answer`) and its calls in the order they were written, as its stream
+    sent them: the text before each call, the call, the text after the last one. A reply in
+    blocks (Anthropic's content, the Responses API's output items) keeps that order, so that a
+    streamed reply assembles to the whole one; a result that says nothing of where its calls
+    stood (`ChatResult.call_offsets`) has its calls after its text."""
+    text, pieces, at = _answer(result), [], 0
+    offsets = result.call_offsets if len(result.call_offsets) == len(result.tool_calls) else ()
+    for call, offset in zip(result.tool_calls, offsets or (len(text),) * len(result.tool_calls)):
+        offset = min(max(offset, at), len(text))
+        pieces += [text[at:offset], call] if offset > at else [call]
+        at = offset
+    return pieces + [text[at:]] if text[at:] else pieces
 
 
 def total_usage(results: Sequence[ChatResult], n: int) -> Usage:

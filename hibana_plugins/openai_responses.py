@@ -15,6 +15,7 @@ what to do instead.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hibana_plugins.openai_api import (MAX_STATE_ID, ApiError, ChatRequest, Reply, _answer, joined, json_text,
+from hibana_plugins.openai_api import (MAX_STATE_ID, ApiError, ChatRequest, Reply, in_order, joined, json_text,
                                        parse_request, total_usage)
 from hibana_core.turn import ChatDelta, ChatResult
 
@@ -47,7 +48,8 @@ _REFUSED = {
 }
 
 _CHAT_FIELDS = (("max_completion_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"),
-                ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                ("tool_choice.function.name", "tool_choice.name"), ("tool_choice.allowed_tools", "tool_choice"))
 """The chat request's fields an error may name, and the Responses API's the client sent."""
 
 
@@ -182,7 +184,8 @@ def _text_of(content: Any, where: str) -> str | list[dict]:
 def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
     """The conversation as chat messages: instructions first (a system message), an input string
     as one user message; a function_call item joins the assistant message before it (or opens one),
-    a reasoning item's text goes to the assistant message after it."""
+    as does an assistant message after a function_call (text written after a call: one turn); a
+    reasoning item's text goes to the assistant message after it."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(given, str):
         return messages + [{"role": "user", "content": given}]
@@ -206,7 +209,11 @@ def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ApiError(400, f"{where}.role is {role!r:.40}; use user, system, developer or assistant", "input")
             content = _text_of(item.get("content"), f"{where}.content")
-            if role == "assistant":
+            last = messages[-1] if messages else None
+            if role == "assistant" and last is not None and last.get("tool_calls") and not thinking:
+                # text the model wrote after a call (a message item after its function_call): the same turn
+                last["content"] = _parts(last["content"]) + _parts(content)
+            elif role == "assistant":
                 assistant(content)
             else:
                 messages.append({"role": "system" if role == "developer" else role, "content": content})
@@ -234,6 +241,13 @@ def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
                     else "is not an item Hibana reads (message, function_call, function_call_output, reasoning)")
             raise ApiError(400, f"{where} has type {kind!r:.40}: it {what}", "input")
     return messages
+
+
+def _parts(content: str | list[dict] | None) -> list[dict]:
+    """A message's content (`_text_of`) as text parts, which the chat layer joins as they are."""
+    if content is None or isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    return content
 
 
 def _tools(tools: list[dict] | None) -> list[dict] | None:
@@ -431,36 +445,55 @@ class ResponsesReply(Reply):
 
 
 def _output(result: ChatResult, chat: "Chat") -> list[dict]:
-    """A result's output items: its thinking, its text, its calls."""
+    """A result's output items: its thinking, then its text and its calls in the order they were
+    written (`in_order`: a message after a call where the model wrote text after it, as streamed)."""
     items: list[dict] = []
     if result.reasoning:
         items.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
                       "content": [{"type": "reasoning_text", "text": result.reasoning}]})
-    text = _answer(result)
-    if text:
-        logprobs = _spanning(chat.openai_logprobs(result) or [], text, after=result.reasoning)
-        status = "incomplete" if result.finish_reason == "length" else "completed"  # (as the response's)
-        items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
-                      "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]})
-    for call in result.tool_calls:
-        items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call.id, "name": call.name,
-                      "arguments": json.dumps(call.arguments, ensure_ascii=False), "status": "completed"})
+    pieces = in_order(result)
+    tokens = (chat.openai_logprobs(result) or []) if any(isinstance(piece, str) for piece in pieces) else []
+    ends = {id(entry): end for entry, end in zip(tokens, itertools.accumulate(len(t["bytes"]) for t in tokens))}
+    since = 0  # bytes of the tokens' text up to the end of the last message's
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, str):
+            logprobs = _spanning(tokens, piece, after=result.reasoning if not since else "", since=since)
+            since = ends[id(logprobs[-1])] if logprobs and logprobs is not tokens else since
+            # as the response's, where max_output_tokens cut this message (the last item; one a call followed ended)
+            status = "incomplete" if result.finish_reason == "length" and i == len(pieces) - 1 else "completed"
+            items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
+                          "content": [{"type": "output_text", "text": piece, "annotations": [],
+                                       "logprobs": logprobs}]})
+        else:
+            items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": piece.id,
+                          "name": piece.name, "arguments": json.dumps(piece.arguments, ensure_ascii=False),
+                          "status": "completed"})
     return items
 
 
-def _spanning(logprobs: list[dict], text: str, after: str = "", whole: bool = True) -> list[dict]:
+def _spanning(logprobs: list[dict], text: str, after: str = "", whole: bool = True, since: int = 0) -> list[dict]:
     """Of tokens' log-probabilities (OpenAI's shape, each with its `bytes`), those of `text`, an
-    output_text part, where it stands in their join past `after` (the thinking): a reasoning
+    output_text part, where it stands in their join past `after` (the thinking) and past byte
+    `since` (the end of a message before it): a reasoning
     model's thinking, its markup and that of calls are no part of the text (a chat reply's
     logprobs hold every token: the message held 40 for an answer of 10). Not
     `whole`: only the tokens before the text are left out (a streamed delta's text may hold back
-    the end of its tokens'). All of them where the text is not found as it is."""
+    the end of its tokens'). Text after a call begins with whitespace written before the call
+    (held until text followed): found without it, it takes the whitespace just before it. All
+    of them where the text is not found."""
     joined = b"".join(bytes(entry["bytes"]) for entry in logprobs)
-    start = joined.find(after.encode()) + len(after.encode()) if after and after.encode() in joined else 0
-    start = joined.find(text.encode(), start)
-    if start < 0:
+    found = joined.find(after.encode(), since) if after else -1
+    start = found + len(after.encode()) if found >= 0 else since
+    body = text.encode()
+    begin = joined.find(body, start)
+    if begin < 0:
+        body = text.lstrip().encode()
+        begin = joined.find(body, start)
+    if begin < 0:
         return logprobs
-    end = start + len(text.encode()) if whole else len(joined)
+    end = begin + len(body) if whole else len(joined)
+    gap = joined[start:begin]
+    start = begin - min(len(text.encode()) - len(body), len(gap) - len(gap.rstrip()))
     kept, at = [], 0
     for entry in logprobs:
         if at < end and at + len(entry["bytes"]) > start:
