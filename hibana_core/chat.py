@@ -436,17 +436,21 @@ class Chat:
         them (the generation prompt included; `reasoning` and `effort` as `render_text` takes them).
         Part of a conversation that the template or the checks refuse (a tool result without its
         call, as `trim_messages` tries) counts each message's text and calls, plus the markup the
-        template puts around one message."""
+        template puts around one message, plus the tools as the template writes them."""
         try:
             return len(self._encode(self.render_text(messages, tools, reasoning, effort=effort)))
         except ConversationError:
             pass
-        overhead = len(self.render([{"role": "user", "content": "x"}])) - len(self._markup("x"))
-        tool_text = json.dumps(list(tools), ensure_ascii=False) if tools else ""
+        probe = [{"role": "user", "content": "x"}]
+        overhead = len(self.render(probe)) - len(self._markup("x"))
+        try:  # the template's own words around the schemas too (the demo's "# Tools ..." system block)
+            tool_count = len(self.render(probe, tools)) - len(self.render(probe)) if tools else 0
+        except ConversationError:  # a template that renders no tools: their JSON
+            tool_count = len(self._markup(json.dumps(list(tools), ensure_ascii=False)))
         # (default=str: calls whose arguments JSON cannot hold, which a call refuses, still count)
         texts = [json.dumps(m.get("tool_calls"), ensure_ascii=False, default=str) + str(m.get("content") or "")
                  if m.get("tool_calls") else str(m.get("content") or "") for m in messages]
-        return len(self._markup(tool_text)) + sum(len(self._markup(t)) + overhead for t in texts)
+        return tool_count + sum(len(self._markup(t)) + overhead for t in texts)
 
     def renders_tools(self) -> bool:
         """Whether the chat template writes the tools it is given (templates without a tools

@@ -15,6 +15,9 @@ that differ from what the state holds are computed. Which state serves a call:
     2. else LangGraph's `thread_id` and checkpoint namespace (task ids dropped): "t1/agent";
        while another call holds it (a Send fan-out of one node), the choice below. Outside a
        graph, `llm.invoke(..., config={"configurable": {"thread_id": "t1"}})` names "t1" the same way.
+       A middleware's own model call in a node, which LangChain marks as internal
+       (`LLMToolSelectorMiddleware`'s, in create_agent's "model" node), is another conversation,
+       on a state of its own: "t1/model/tool_selection" (its `lc_source`).
     3. else a state made for an earlier call that named none, when the prompt goes on from its
        conversation (holds it up to its last reply) and no other call is using it; else a new
        state (`Chat.lease`).
@@ -210,7 +213,8 @@ _MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video"
 
 def _graph_state_id(run_manager) -> str | None:
     """`thread_id/namespace` from the LangGraph run config, the namespace's task ids dropped
-    ("agent:3f2c..." names one step of node "agent"; the state must outlive the step)."""
+    ("agent:3f2c..." names one step of node "agent"; the state must outlive the step), then the
+    source of a call LangChain marks as a middleware's own ("t1/model/tool_selection")."""
     config = ensure_config()
     configurable = config.get("configurable") or {}
     metadata = {**(getattr(run_manager, "metadata", None) or {}), **(config.get("metadata") or {})}
@@ -221,6 +225,8 @@ def _graph_state_id(run_manager) -> str | None:
     path = [part.split(":")[0] for part in namespace.split("|") if part]
     if not path and metadata.get("langgraph_node"):
         path = [metadata["langgraph_node"]]
+    if metadata.get("lc_internal_call"):  # a middleware's own call in the node (LangChain's tool selection):
+        path.append(str(metadata.get("lc_source") or "internal"))  # another conversation, a state of its own
     return "/".join([str(thread), *path])
 
 
