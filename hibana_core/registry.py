@@ -680,6 +680,9 @@ class StateRegistry:
         tokens = self._validate(prompt) if prompt is not None else None
         with self.lock:
             if params.speculation is not None and self.core.speculation is not None:
+                # a closed engine or state says so first: the drafters went with the engine, and
+                # one built again for it loaded a draft model's weights and failed as its factory
+                self._entry(handle)
                 # between steps: a drafter named for the first time is built here, and building
                 # one may run the model (layer_skip ranks its layers) or take pool blocks
                 self.core.speculation.check(params.speculation)

@@ -118,11 +118,16 @@ class StepCostModel:
     host's work for that step no longer overlaps the device."""
 
     SMOOTH = 0.1  # weight of a new measurement
+    DISTURBED = 0.25
+    """A step timed below this share of its point's profiled time shows a disturbed start-up
+    profile (other work only slows a timing; an engine step does more than the profile's forward)."""
 
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float], sync_overhead: float = 0.0) -> None:
         self.points = list(tokens)
         self.seconds = list(seconds)
         self.sync_overhead = sync_overhead
+        self.timed = [False] * len(self.points)  # points a step of the engine has timed (`observe`)
+        self.guessed = [False] * len(self.points)  # untimed points of a disturbed profile (`observe`)
         self._monotone()
 
     def _monotone(self) -> None:
@@ -168,13 +173,37 @@ class StepCostModel:
         return table[i - 1] + (table[i] - table[i - 1]) * (num_tokens - x0) / (x1 - x0)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """Pull the nearest profiled point towards a step's measured device time."""
+        """Pull the nearest profiled point towards a step's measured device time. A first timing
+        far below the profile's (`DISTURBED`) replaces it, and the points no step has timed yet
+        are then guesses (`_guess`) until a step times them. (A profile slowed throughout by other
+        work, the one-token point too, was proportional to tokens once decode steps had corrected
+        that point: no draft paid, so no verify step ran to time the others, and a drafter whose
+        every draft was kept drafted nothing for good.)"""
         if not math.isfinite(seconds) or seconds <= 0:
             return
         i = min(range(len(self.points)), key=lambda j: abs(self.points[j] - num_tokens))
         scale = self.points[i] / max(num_tokens, 1) if num_tokens > self.points[-1] else 1.0
-        self.seconds[i] += self.SMOOTH * (seconds * scale - self.seconds[i])
+        measured = seconds * scale
+        if self.guessed[i] or (not self.timed[i] and measured < self.DISTURBED * self.seconds[i]):
+            if not self.guessed[i]:  # the profile was disturbed: its untimed points are guesses from here
+                self.guessed = [not timed for timed in self.timed]
+            self.seconds[i], self.guessed[i] = measured, False
+        else:
+            self.seconds[i] += self.SMOOTH * (measured - self.seconds[i])
+        self.timed[i] = True
+        self._guess()
         self._monotone()
+
+    def _guess(self) -> None:
+        """A guessed point costs the least its timed neighbours allow: what the timed point below
+        it costs (more tokens never cost less), its tokens' share of the timed point above it (nor
+        less a token). Optimistic, so drafting that might pay is tried, and the step that tries
+        it times the point."""
+        timed = [j for j, t in enumerate(self.timed) if t]
+        for j in (j for j, guessed in enumerate(self.guessed) if guessed):
+            below = [self.seconds[t] for t in timed if t < j][-1:]
+            above = [self.seconds[t] * self.points[j] / self.points[t] for t in timed if t > j][:1]
+            self.seconds[j] = max(below + above)
 
     def observe_sync(self, seconds: float) -> None:
         """The host's time to schedule and launch a step (what a verifying step stops overlapping)."""
