@@ -17,7 +17,8 @@ call first waits for a stream its own task left to let go of the state it names
 (`options.lease_holder`), and closing an async stream closes the engine's stream within at once.
 
 Which state serves a call (`Chat.lease`): the `state_id` bound on the object (one HibanaLLM per
-agent, all on one Engine, is the documented pattern) unless another call holds it; else a state
+agent, all on one Engine, is the documented pattern; "<state_id>/structured" for a structured
+program's call, whose prompt is its own) unless another call holds it; else a state
 made for an earlier call that named none, when the prompt continues its conversation; else a new
 state (which still reuses every KV block it shares with others). Two concurrent calls never share
 a state.
@@ -359,7 +360,8 @@ def llm_class() -> type:
                            "\"org/name@revision\"), a checkpoint directory, or \"demo\".")
         engine_kwargs: dict = Field(default_factory=dict, description="Engine options for Engine.shared.")
         state_id: Optional[str] = Field(default=None, description="The state serving every call (another "
-                                        "while it is busy); None: the one `Chat.lease` picks.")
+                                        "while it is busy; a structured call's: \"<state_id>/structured\"); "
+                                        "None: the one `Chat.lease` picks.")
         temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy.")
         max_tokens: Optional[int] = Field(default=256, gt=0, description="Most tokens per reply; None: no limit "
                                           "but the model's context.")
@@ -740,7 +742,12 @@ def llm_class() -> type:
             options = {"tool_choice": choice, "parse_tools": tools is not None, "guided": self.guided_tool_arguments,
                        "parallel_tool_calls": parallel, "reasoning_history": self.reasoning_history,
                        "timeout": kwargs.get("timeout", self.timeout)}
-            return _Call(self._chat_layer(), prompt, tools, params, options, self.state_id,
+            state_id = self.state_id
+            if state_id is not None and kwargs.get("structured_answer"):
+                # a structured program's prompt is a conversation of its own (an agent's output_cls extraction
+                # rewrites the agent's as XML): on the bound state it replaced the agent's history every run
+                state_id = f"{state_id}/structured"
+            return _Call(self._chat_layer(), prompt, tools, params, options, state_id,
                          structured=bool(kwargs.get("structured_answer")), output_cls=kwargs.get("output_cls"))
 
         def _chat_response(self, reply: _Call, delta: str) -> ChatResponse:
