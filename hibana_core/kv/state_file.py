@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors import SafetensorError
 
 from hibana_core.config import is_kind
 from hibana_core.errors import StateFileError
@@ -31,6 +32,9 @@ from hibana_core.kv.sequence import page_counts
 FORMAT = "hibana-state/2"
 FINGERPRINT_SCHEME = "2"  # 2: fingerprints sample the weights' values (loader._fingerprint)
 _CHECKED = ("format", "fingerprint", "state_id", "tokens", "num_computed", "block_size")
+TMP_NAME_CHARS = 32  # of the state file's name in its temporary file's: 128 bytes at most, so that the temporary
+# name stays within a folder's 255 bytes a name wherever the state file's own does
+MAX_HEADER = 100 << 20  # bytes of a safetensors header at most (safetensors' own limit)
 
 
 @dataclass(frozen=True)
@@ -168,15 +172,18 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a temporary file of this writer's own: engines sharing a state_dir may write one state at once
-        handle, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        handle, tmp = tempfile.mkstemp(prefix=path.name[:TMP_NAME_CHARS] + ".", suffix=".tmp", dir=path.parent)
         os.close(handle)
         save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)  # never leave a half-written state file behind
-    except (OSError, UnicodeError, ValueError) as exc:  # no room, no right, a name the OS refuses
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        tmp = None
+    # no room, no right, a name the OS refuses (safetensors reports a failed write as a SafetensorError)
+    except (OSError, UnicodeError, ValueError, SafetensorError) as exc:
         raise StateFileError(f"cannot write the state file {str(path)!r}: {exc}; save it to a path in a folder "
                              "you can write, with room for it") from exc
+    finally:  # (an interrupt too)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _is_dir(path: Path) -> bool:
@@ -184,6 +191,22 @@ def _is_dir(path: Path) -> bool:
         return path.is_dir()
     except (OSError, UnicodeError, ValueError):
         return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, UnicodeError, ValueError):
+        return False
+
+
+def _other_format(path: Path, format: object) -> str:
+    """Why a file whose metadata names another format than FORMAT is refused, and what to do."""
+    if isinstance(format, str) and format.startswith("hibana-state/"):
+        return (f"{path} was written by another version of Hibana (format {format!r}; this one reads {FORMAT!r}); "
+                "load it with the version that saved it, or save the state again")
+    return (f"{path} is not a Hibana state file (its format is {format!r}: a checkpoint's weights, or another "
+            "safetensors file?); pass the path of a file that StateHandle.save wrote")
 
 
 def _differences(saved: str | None, ours: dict | None) -> str:
@@ -231,14 +254,20 @@ def read(path: Path, fingerprint: str, kv_shape: Sequence[int], kv_dtype: torch.
     except (OSError, UnicodeError, ValueError):
         exists = False
     if not exists:
-        what = "is a directory, not a state file" if _is_dir(path) else "does not exist"
+        what = ("is a directory, not a state file" if _is_dir(path) else
+                "is not a regular file (a device, a pipe, a socket)" if _exists(path) else "does not exist")
         raise StateFileError(f"state file {str(path)!r} {what}")
     try:
-        data = path.read_bytes()  # once: a file another engine replaces meanwhile is read whole, old or new
-        meta = _metadata(data)
-        if meta.get("format") != FORMAT:
-            raise StateFileError(f"{path} is not a Hibana state file of this version "
-                                 f"(format {meta.get('format')!r}); save the state again")
+        # one open file, read once: a file another engine replaces meanwhile is read whole, old or new;
+        # its header first, so that a file of another kind (a checkpoint's weights) is refused unread
+        with path.open("rb") as file:
+            header = file.read(8)
+            (length,) = struct.unpack("<Q", header)
+            meta = _metadata(header + file.read(min(length, MAX_HEADER)))
+            if meta.get("format") != FORMAT:
+                raise StateFileError(_other_format(path, meta.get("format")))
+            file.seek(0)
+            data = file.read()
         loaded = safetensors.torch.load(data)
         kv = loaded["kv"]
         held = from_file_tensors(loaded) if "recurrent" in meta else None
