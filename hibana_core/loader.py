@@ -791,8 +791,15 @@ FINGERPRINT_FILE_SAMPLES = 8192  # runs a weight file at most (per-expert MoE fi
 FINGERPRINT_RUN = 64  # bytes a run
 
 
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
+                        "added_tokens.json", "special_tokens_map.json")
+"""What a checkpoint without tokenizer.json is tokenized from (SentencePiece models, BPE and WordPiece
+vocabularies, the tokens added to them), which the fingerprint then covers."""
+
+
 def _fingerprint(path: Path) -> str:
-    """Identifies model and tokenizer: config, tokenizer files and, of each weight file the loader
+    """Identifies model and tokenizer: config, tokenizer files (tokenizer.json, else the slow
+    tokenizer's: SLOW_TOKENIZER_FILES) and, of each weight file the loader
     reads, its header (names, shapes, dtypes, offsets), its size and samples of its values (the
     whole of tensors up to FINGERPRINT_RUN * FINGERPRINT_SAMPLES bytes, evenly spaced runs of
     larger ones: about a megabyte read a file at most, in file order). Two checkpoints of one
@@ -801,7 +808,9 @@ def _fingerprint(path: Path) -> str:
     the hub cache's snapshot) is the same model. An edit of a few values between the samples goes
     unseen."""
     digest = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    # a checkpoint with no tokenizer.json is tokenized from its slow tokenizer's files
+    slow = () if (path / "tokenizer.json").is_file() else SLOW_TOKENIZER_FILES
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", *slow):
         file = path / name
         if file.is_file():
             digest.update(name.encode() + file.read_bytes())

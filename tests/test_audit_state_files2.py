@@ -511,3 +511,27 @@ def test_a_state_saved_with_a_draft_model_loads_without_one_and_the_other_way(ck
             assert_greedy_matches(path, h.tokens, loaded.generate(greedy(10)).token_ids)
             loaded.append(prompt[:5])
             assert_greedy_matches(path, loaded.tokens, loaded.generate(greedy(8)).token_ids)
+
+
+def test_a_slow_tokenizers_files_are_part_of_the_fingerprint(tmp_path):
+    """A checkpoint with no tokenizer.json is tokenized from its slow tokenizer's files (here a
+    GPT-2 vocab.json and merges.txt); the fingerprint covered tokenizer.json alone, so a state
+    loaded into the same weights under another vocabulary, whose ids spell other text."""
+    path = make_tiny_checkpoint("qwen3", tmp_path / "slow")
+    model = json.loads((path / "tokenizer.json").read_text())["model"]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    (path / "vocab.json").write_text(json.dumps(model["vocab"]))
+    (path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (path / "tokenizer.json").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    with open_engine(path) as engine:
+        handle = engine.open_state("slow")
+        handle.sync(engine.tokenizer.encode("the state of a slow tokenizer's checkpoint"))
+        handle.save(tmp_path / "slow.state")
+    vocab = dict(model["vocab"])
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two ids that spell each other's text
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    with open_engine(path) as engine, pytest.raises(StateFileError, match="another checkpoint or tokenizer"):
+        engine.load_state(tmp_path / "slow.state")
