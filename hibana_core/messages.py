@@ -47,6 +47,8 @@ def normalize_messages(messages: Sequence[dict]) -> list[dict]:
             raise ConversationError(f"message {i} has role {role!r}; give it one of {sorted(KNOWN_ROLES)}")
         m["role"] = "system" if role == "developer" else role
         m["content"] = _content(i, role, m.get("content"))
+        if role == "assistant" and not m["content"] and isinstance(m.get("refusal"), str):
+            m["content"] = m["refusal"]  # an OpenAI reply sent back as it came (content null): its refusal's text
         if m.get("tool_calls"):
             if not isinstance(m["tool_calls"], (list, tuple)):
                 raise ConversationError(f"message {i}'s tool_calls is a {type(m['tool_calls']).__name__}, "

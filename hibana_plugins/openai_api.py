@@ -348,8 +348,17 @@ def countable(request: ChatRequest, context: int) -> None:
     costs ~0.2 ms a message, a tool more: 140,000 tools (7.6 MB) took 100 s of CPU before their 400."""
     for name, items in (("messages", request.messages), ("tools", request.tools or ())):
         if len(items) > context:
-            raise ApiError(400, f"{len(items)} {name} cannot fit in the model's context of {context} tokens (each "
-                                "takes one at least); shorten the history", name, "context_length_exceeded")
+            raise context_exceeded(f"{len(items)} {name} cannot fit in the model's context of {context} tokens (each "
+                                   "takes one at least); shorten the history", name)
+
+
+def context_exceeded(message: str, param: str | None) -> ApiError:
+    """A prompt past the model's context: a 400 `context_length_exceeded` whose message opens with
+    OpenAI's words for it. Clients tell an overflow from another bad request by those words: the
+    openai client's error text is the message alone, and LangChain's ChatOpenAI raises its
+    ContextOverflowError (on which SummarizationMiddleware retries a shorter prompt) only where
+    the message says so; Hibana's own words made it a plain invalid request."""
+    return ApiError(400, f"Input tokens exceed the configured limit: {message}", param, "context_length_exceeded")
 
 
 def contents_given(messages: list[dict]) -> None:
@@ -558,12 +567,22 @@ class Reply:
     def opening(role: dict | None, chunks: list[dict]) -> list[dict]:
         """A choice's first chunks: its `role_chunk`, then `chunks`; a reply that opens with a tool
         call has the role in that call's chunk instead, with content null, as OpenAI's has (no
-        content "" in a reply of calls only, whose whole message has content null)."""
+        content "" in a reply of calls only, whose whole message has content null). That chunk
+        carries no log-probabilities, as no first chunk of OpenAI's does: its tokens' come with the
+        call's arguments in the next (the openai client's stream helper takes a later choice's first
+        chunk's into that choice and then adds them again: choice 1 of n=2 held them twice)."""
         choices = chunks[0].get("choices") if chunks and role is not None else None
         delta = choices[0].get("delta", {}) if choices else {}
         if "tool_calls" in delta:
             choices[0]["delta"] = {"role": "assistant", "content": None, **delta}
-            return chunks
+            if choices[0]["logprobs"] is None:
+                return chunks
+            call = delta["tool_calls"][0]
+            head = {**call, "function": {**call["function"], "arguments": ""}}  # its id, type and name
+            rest = {"index": call["index"], "function": {"arguments": call["function"]["arguments"]}}
+            first = {**choices[0], "delta": {**choices[0]["delta"], "tool_calls": [head]}, "logprobs": None}
+            return [{**chunks[0], "choices": [first]},
+                    {**chunks[0], "choices": [{**choices[0], "delta": {"tool_calls": [rest]}}]}, *chunks[1:]]
         return chunks if role is None else [role, *chunks]
 
     def usage_chunk(self, *results: ChatResult) -> dict:

@@ -67,8 +67,8 @@ from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaE
 from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, choice_calls, countable, json_text, named_state,
-                                       parse_request, prompts_of, served_by_header, system_fingerprint)
+                                       TextReply, chat_call, choice_calls, context_exceeded, countable, json_text,
+                                       named_state, parse_request, prompts_of, served_by_header, system_fingerprint)
 from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest, in_responses_terms
 from hibana_plugins.anthropic_messages import (CountTokensRequest, MessagesReply, MessagesRequest, error_body,
                                                in_messages_terms)
@@ -227,7 +227,7 @@ def api_error(exc: HibanaError, prompt_param: str = "messages") -> ApiError:
     `prompt_param` is the field that holds the prompt ("prompt" for legacy completions)."""
     message = str(exc)
     if isinstance(exc, ContextLengthError):
-        return ApiError(400, message, prompt_param, "context_length_exceeded")
+        return context_exceeded(message, prompt_param)
     if isinstance(exc, StateBusyError):
         return ApiError(409, message, None, "state_busy")
     if isinstance(exc, ChatTimeoutError):  # it would run as long again: not to be repeated as it is
