@@ -165,6 +165,12 @@ class Chat:
         self._reply_ends = frozenset(self.stop_token_ids) | frozenset(
             (eos,) if ends is None and "eos_token" in str(template) and eos in engine.eos_token_ids else ())
         self._end_texts = tuple(engine.tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids)
+        self.closing_token_ids = frozenset(self.stop_token_ids) | frozenset(
+            t for t in engine.eos_token_ids if t < engine.vocab_size)
+        """Tokens that end a reply and are no text of it: a turn's stop tokens and the model's other ends of
+        sequence, which its template does not write (Qwen2.5's <|endoftext|> beside <|im_end|>, Llama 3.1's
+        <|end_of_text|>): a reply the engine ended at one leaves its log-probability out as its text, and a
+        turn that runs past them (ignore_eos) keeps them out of its content."""
         self._message_ends = frozenset(self.stop_token_ids) - frozenset(opening) | frozenset(
             vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] < engine.vocab_size)
         """Tokens that end a message, a format's that end no turn too (harmony's <|end|>): where
@@ -742,7 +748,7 @@ class Chat:
         if result.logprobs is None:
             return None
         logprobs = result.logprobs
-        if logprobs and result.finish_reason != "length" and logprobs[-1].token_id in self.stop_token_ids:
+        if logprobs and result.finish_reason != "length" and logprobs[-1].token_id in self.closing_token_ids:
             logprobs = logprobs[:-1]
         return self.openai_token_logprobs(logprobs)
 
@@ -880,7 +886,7 @@ class Chat:
         params = params or SamplingParams(max_tokens=256)
         # ignore_eos: the turn runs on past the end-of-turn tokens that are the model's end of sequence (as the
         # engine's generate and vLLM's chat do; a grammar still ends there where it allows nothing else)
-        passed = [t for t in self.stop_token_ids if params.ignore_eos and t in self.engine.eos_token_ids]
+        passed = [t for t in sorted(self.closing_token_ids) if params.ignore_eos and t in self.engine.eos_token_ids]
         ends = tuple(t for t in self.stop_token_ids if t not in passed)
         params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(tuple(params.stop_token_ids) + ends)))
         # a template may open the think block itself (its generation prompt ends in "<think>")
@@ -980,7 +986,7 @@ class Chat:
         # one call where asked (parallel_tool_calls=False: the request is stopped after it), or where a
         # named tool's call is not held by the grammar that ends the turn after it
         max_calls = 1 if not parallel_tool_calls or (one_call and not calls_held) else None
-        passed_ends = frozenset(text for t, text in zip(self.stop_token_ids, self._end_texts) if t in passed)
+        passed_ends = frozenset(self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in passed)
         ids = self.prompt_ids(messages, tools, reasoning_history)
         encode = functools.partial(self._encode_fitting, kept=len(ids))  # (the prefill's text, after the prompt)
         hybrid = getattr(self.engine, "recurrent_slots", None) is not None  # (a state holding one position)
@@ -1027,7 +1033,7 @@ class StreamedLogprobs:
                 return whole
             return whole[self._given:] or None
         streamed = self._streamed
-        end = len(streamed) - bool(streamed and streamed[-1].token_id in self.chat.stop_token_ids)
+        end = len(streamed) - bool(streamed and streamed[-1].token_id in self.chat.closing_token_ids)
         if end <= self._given:
             return None
         given, self._given = self._given, end

@@ -225,6 +225,9 @@ def load_from_hf_model(hf_model: torch.nn.Module, device: torch.device, dtype: s
     # stand-in without a generation config its config's (as transformers would make one from it)
     generation_config = getattr(hf_model, "generation_config", None)
     eos = _config_eos(hf_config) if generation_config is None else getattr(generation_config, "eos_token_id", None)
+    if generation_config is not None:
+        _warn_greedy_options(f"{source}'s generation config",
+                             {name: getattr(generation_config, name, None) for name in GREEDY_OPTIONS})
     digest = hashlib.sha256(hf_config.to_json_string().encode()).hexdigest()
     return _loaded(module, args, hf_config, quiet_length_warning(tokenizer), _as_ids(eos) or (), torch_dtype,
                    f"in-memory:{digest}:{id(hf_model)}")
@@ -751,6 +754,7 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
         except ValueError as exc:
             warnings.warn(f"{gen_file} is damaged ({exc}); using config.json's eos_token_id")
         else:
+            _warn_greedy_options(str(gen_file), generation)
             eos = generation.get("eos_token_id")
             ids = _as_ids(eos)
             if ids == () and _as_ids(_config_eos(hf_config)):
@@ -766,6 +770,28 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
         raise CheckpointError(f"{path / 'config.json'} has eos_token_id {config_eos!r:.60}, no token id or list of "
                               "them; fix it (the tokenizer's end-of-text token id, as an integer)")
     return ids
+
+
+GREEDY_OPTIONS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None,
+                  "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+                  "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None}
+"""A generation config's options that transformers' `generate` applies to greedy output too, each with
+the value that changes nothing. A request applies its own options only (greedy unless it asks)."""
+
+
+def _warn_greedy_options(where: str, generation: dict[str, Any]) -> None:
+    """A warning where a generation config sets `GREEDY_OPTIONS` (Qwen2.5's repetition_penalty 1.05):
+    greedy output then equals `generate`'s without them, not `generate`'s on the checkpoint as it is."""
+    given = {name: generation.get(name) for name in GREEDY_OPTIONS}
+    named = {name: value for name, value in given.items() if value not in (None, GREEDY_OPTIONS[name], [], {})}
+    if not named:
+        return
+    penalty = named.get("repetition_penalty")
+    warnings.warn(f"{where} sets {', '.join(f'{name}={value!r:.40}' for name, value in named.items())}, which "
+                  "transformers' generate applies to greedy output too; a request applies only the options it "
+                  "gives, so greedy output is generate's without them"
+                  + (f" (SamplingParams(repetition_penalty={penalty!r}) applies generate's penalty)"
+                     if penalty is not None else ""))
 
 
 def _as_ids(eos: Any) -> tuple[int, ...] | None:

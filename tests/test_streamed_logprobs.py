@@ -19,6 +19,7 @@ END = 99
 
 class FakeChat:
     stop_token_ids = (END,)
+    closing_token_ids = frozenset(stop_token_ids)
     openai_logprobs = Chat.openai_logprobs  # the chat layer's own: the end token left out of a result's
 
     def openai_token_logprobs(self, logprobs):
