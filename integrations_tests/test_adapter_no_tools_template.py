@@ -69,10 +69,11 @@ def test_langchain_json_methods_hold_the_answer_without_a_tool(engine):
 def test_llamaindex_structured_predict_holds_the_answer_without_a_tool(engine):
     from llama_index.core.prompts import PromptTemplate
 
-    llm = HibanaLLM(engine=engine, state_id="li", max_tokens=force(engine, "li", ANSWER))
+    structured = "li/structured"  # the state a structured call on an LLM bound to "li" runs on
+    llm = HibanaLLM(engine=engine, state_id="li", max_tokens=force(engine, structured, ANSWER))
     assert not llm.metadata.is_function_calling_model
     assert llm.structured_predict(Pick, PromptTemplate("pick one of {what}"), what="colors") == Pick(n=3, color="blue")
-    force(engine, "li", '{"n": 3, "color": "green"}')
+    force(engine, structured, '{"n": 3, "color": "green"}')
     with pytest.raises(GrammarError):
         llm.structured_predict(Pick, PromptTemplate("pick one of {what}"), what="colors")
 
