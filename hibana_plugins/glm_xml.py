@@ -26,7 +26,7 @@ from typing import Any, Iterator, NamedTuple
 
 from hibana_plugins.hookspecs import ToolCallStream, hookimpl
 from hibana_plugins.qwen_xml import (_PADDING, SchemaTypedToolParser, _CallBlockStream, _json, _kinds, _plain_string,
-                                      end_outside_values, parameter_types, typed_value)
+                                      end_of_value, end_outside_values, parameter_types, typed_value)
 from hibana_plugins.qwen_xml import _value_begun as _typed_value_begun
 from hibana_plugins.tool_parsers import _accepted, _Decoded, _loads, partial_tag_length
 
@@ -34,6 +34,8 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
 _NAME = re.compile(r"[^<>\s]+")
+_AFTER_VALUE = re.compile(r"\s*(?:<arg_key>|</tool_call>|\Z)")
+"""What follows an argument's `</arg_value>`: the next argument, the call's end."""
 _JSON_BEGUN = re.compile(r"-?\d*(\.\d*)?([eE][+-]?\d*)?|t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?")
 """What a JSON number, true, false or null cut short looks like."""
 
@@ -93,7 +95,7 @@ def _arguments(name: str, inner: str, schemas: dict[str, Any]) -> Iterator[_Argu
                             rest=inner[key_end + len(KEY_END):])
             return
         head = value + len(VALUE_START)
-        end = inner.find(VALUE_END, head)
+        end = end_of_value(inner, head, VALUE_END, _AFTER_VALUE)
         if end < 0:
             yield _Argument(key, inner[head:], closed=False, rest=inner[head:],
                             error=f"argument {key!r} of {name!r} needs its {VALUE_END}")
@@ -133,7 +135,7 @@ class _GlmStream(_CallBlockStream):
     (its arguments may go on) is a cut call."""
 
     def _block_end(self, block: str) -> int:
-        return end_outside_values(block, CALL_END, VALUE_START, VALUE_END)
+        return end_outside_values(block, CALL_END, VALUE_START, VALUE_END, _AFTER_VALUE)
 
     def _decode(self, body: str) -> _Decoded:
         return decode_glm_call(body, self._types)

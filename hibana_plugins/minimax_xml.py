@@ -36,7 +36,8 @@ from typing import Any, Collection, NamedTuple
 
 from hibana_plugins.hookspecs import ToolCallStream, hookimpl
 from hibana_plugins.qwen_xml import (_PADDING, SchemaTypedToolParser, _CallBlockStream, _json, _kinds,
-                                      _plain_string, _value_begun, end_outside_values, parameter_types, typed_value)
+                                      _plain_string, _value_begun, end_of_value, end_outside_values, parameter_types,
+                                      typed_value)
 from hibana_plugins.tool_parsers import _accepted, _Decoded, partial_tag_length
 
 BLOCK_START, BLOCK_END = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -44,6 +45,8 @@ INVOKE_START, INVOKE_END = '<invoke name="', "</invoke>"
 PARAMETER_START, PARAMETER_END = '<parameter name="', "</parameter>"
 HEAD_END = '">'  # after a call's or a parameter's name
 _NAME = re.compile(r'[^<>"\s]+')
+_AFTER_PARAMETER = re.compile(r'\s*(?:<parameter name="|</invoke>|\Z)')
+"""What follows a parameter's `</parameter>`: the next parameter, the call's end."""
 
 
 def _unpadded(text: str, schema: Any) -> str:
@@ -109,7 +112,7 @@ def _invoke(name: str, inner: str, schemas: dict[str, Any]) -> _Invoke:
                            rest=stripped)
         if any(p.key == key for p in parameters):
             return _Invoke(tuple(parameters), error=f"parameter {key!r} of {name!r} given twice", rest=stripped)
-        end = inner.find(PARAMETER_END, value)
+        end = end_of_value(inner, value, PARAMETER_END, _AFTER_PARAMETER)
         if end < 0:
             return _Invoke((*parameters, _Parameter(key, inner[value:], closed=False)), rest=stripped,
                            error=f"parameter {key!r} of {name!r} needs its {PARAMETER_END}")
@@ -163,7 +166,7 @@ class _MinimaxStream(_CallBlockStream):
     opener, closer = BLOCK_START, BLOCK_END
 
     def _block_end(self, block: str) -> int:
-        return end_outside_values(block, BLOCK_END, PARAMETER_START, PARAMETER_END)
+        return end_outside_values(block, BLOCK_END, PARAMETER_START, PARAMETER_END, _AFTER_PARAMETER)
 
     def _whole_block(self, out: list, body: str) -> None:
         block = _read_block(body, self._types)

@@ -32,6 +32,7 @@ import json
 import re
 from typing import Any, Iterator, NamedTuple
 
+from hibana_core.grammar.schema import _pointed
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
 from hibana_plugins.tool_parsers import _accepted, _decode_call, _Decoded, _loads, _Stream, partial_tag_length
 
@@ -40,18 +41,43 @@ FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.S)
 _NAME = re.compile(r"[^<>\s]+")
+_CALL_BEGUN = re.compile(r"\s*(?:<function=|\{)")
+"""What follows a block's tag where a call begins: its function, or a call in the hermes form."""
+_AFTER_PARAMETER = re.compile(r"\s*(?:<parameter=|</function>|\Z)")
+"""What follows a parameter's `</parameter>` in a call's text: the next parameter, the call's end."""
 
 
 def parameter_types(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
-    """{tool name: {parameter name: its schema}} of OpenAI-style `tools`."""
+    """{tool name: {parameter name: its schema}} of OpenAI-style `tools`, each schema's `$ref`s
+    followed (`_followed`)."""
     found: dict[str, dict[str, Any]] = {}
     for tool in tools or ():
         function = tool.get("function", tool) if isinstance(tool, dict) else {}
         parameters = function.get("parameters") if isinstance(function, dict) else None
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         if isinstance(function, dict) and isinstance(function.get("name"), str):
-            found[function["name"]] = properties if isinstance(properties, dict) else {}
+            found[function["name"]] = ({key: _followed(schema, parameters) for key, schema in properties.items()}
+                                       if isinstance(properties, dict) else {})
     return found
+
+
+_REF_DEPTH = 8
+"""How many `$ref`s `_followed` follows one after another (a schema may point at itself)."""
+
+
+def _followed(schema: Any, root: Any, depth: int = 0) -> Any:
+    """A parameter's schema with the `$ref`s that say its type followed into `root` (the tool's
+    parameters): its own and its anyOf/oneOf options'. Pydantic writes a nested model as
+    {"$ref": "#/$defs/Model"} (an optional one as an anyOf of that and null), which the grammar
+    writes as a JSON object; unfollowed, its text stayed a string."""
+    if not isinstance(schema, dict) or depth > _REF_DEPTH:
+        return schema
+    if isinstance(schema.get("$ref"), str):
+        target = _pointed(root, schema["$ref"])
+        return _followed(target, root, depth + 1) if isinstance(target, dict) else schema
+    options = {key: [_followed(option, root, depth + 1) for option in schema[key]]
+               for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list)}
+    return {**schema, **options}
 
 
 def _kinds(schema: Any) -> set[str]:
@@ -172,7 +198,7 @@ def _parameters(name: str, inner: str, schemas: dict[str, Any], cut: bool = Fals
                 yield _Parameter(error=f"a parameter of {name!r} needs a name: {inner[start:start + 60]!r}",
                                  rest=inner[start:])
                 return
-        end = inner.find(PARAMETER_END, head_end)
+        end = end_of_value(inner, head_end, PARAMETER_END, _AFTER_PARAMETER)
         # its </parameter> left out: the value runs to the next parameter, on a line of its own as the template
         # writes it (a value's text may hold "<parameter=" elsewhere: code)
         following = inner.find("\n" + PARAMETER_START, head_end)
@@ -283,11 +309,14 @@ def _block_end(block: str, opener: str = CALL_START, closer: str = CALL_END) -> 
     """Where the `</tool_call>` (`closer`) that ends a call block (`block`: what follows its `<tool_call>`,
     `opener`) is, -1 while it is not there yet: the first after a call's `</function>`, so that a value's
     text (code) may hold `</tool_call>`, as the grammar lets it; the first one where the block is no call
-    in this form, or where a `<tool_call>` follows it before that (a call that never closed its function)."""
+    in this form, or where a call begins after it before that (a call that never closed its function: a
+    `<tool_call>` and its `<function=`; a value's text may hold `<tool_call>` alone, as a JSON string's)."""
     first = block.find(closer)
     if first < 0 or not block.lstrip().startswith(FUNCTION_START):
         return first
     next_call = block.find(opener, first)
+    while next_call >= 0 and not _CALL_BEGUN.match(block, next_call + len(opener)):
+        next_call = block.find(opener, next_call + 1)
     at = first
     while at >= 0 and (next_call < 0 or at < next_call):
         if block[:at].rstrip().endswith(FUNCTION_END):
@@ -296,17 +325,30 @@ def _block_end(block: str, opener: str = CALL_START, closer: str = CALL_END) -> 
     return first if next_call >= 0 else -1
 
 
-def end_outside_values(block: str, closer: str, value_start: str, value_end: str) -> int:
+def end_of_value(text: str, start: int, value_end: str, follows: re.Pattern) -> int:
+    """Where the end tag (`value_end`) of the value that begins at `start` is, -1 while it is not
+    there: the first after which the text goes on as the format writes a call (`follows`: the next
+    parameter, the call's end), else the first. A value's text holds its end tag where the grammar
+    lets it, in a JSON string of an object's value, a string with a maxLength or an enum's value
+    ('{"k": "a</parameter>b"}'); read as the end, the rest was text outside a parameter."""
+    first = at = text.find(value_end, start)
+    while at >= 0 and not follows.match(text, at + len(value_end)):
+        at = text.find(value_end, at + 1)
+    return first if at < 0 else at
+
+
+def end_outside_values(block: str, closer: str, value_start: str, value_end: str, follows: re.Pattern) -> int:
     """Where the first `closer` of `block` outside every value (from `value_start` to its
-    `value_end`) is, -1 while it is not there yet: the end tag of a format whose values' text (code)
-    may hold that tag, as the grammar lets it (GLM-4.5's `</tool_call>` beside its `<arg_value>`s,
-    MiniMax-M2's `</minimax:tool_call>` beside its `<parameter name=...>`s)."""
+    `value_end`, `end_of_value`'s with `follows`) is, -1 while it is not there yet: the end tag of a
+    format whose values' text (code) may hold that tag, as the grammar lets it (GLM-4.5's
+    `</tool_call>` beside its `<arg_value>`s, MiniMax-M2's `</minimax:tool_call>` beside its
+    `<parameter name=...>`s)."""
     at = 0
     while True:
         end, value = block.find(closer, at), block.find(value_start, at)
         if value < 0 or 0 <= end < value:
             return end
-        closed = block.find(value_end, value + len(value_start))
+        closed = end_of_value(block, value + len(value_start), value_end, follows)
         if closed < 0:
             return -1
         at = closed + len(value_end)

@@ -1,7 +1,7 @@
 """A JSON schema compiled to an xgrammar Grammar for compact JSON (`json_schema_grammar`), after
 the schema checks, with the repairs of xgrammar's EBNF it needs: strings without control
 characters or lone surrogates, numbers of bounded digits, dates and times that exist. Structural
-tags get the same compact JSON (`compact_json_tag`)."""
+tags get the same compact JSON, and their XML styles' values the same repairs (`compact_json_tag`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ MAX_EXPONENT_DIGITS = 2
 finite double (three digits let "429000888e906" through, which JSON readers take as infinity),
 and every double from 1e-99 to 1e99 keeps a spelling."""
 _DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
-_EXPONENT = "basic_number_4 basic_number_digits{1, -1}"
+# an exponent's digits: basic_number_digits, or a rule of its own where xgrammar writes a number apart (an XML
+# style's number parameter: root_prop_0_digits)
+_EXPONENT = re.compile(r"(\[eE\] \w+ \w+)\{1, -1\}")
 
 
 def json_schema_grammar(schema: Any) -> Any:
@@ -72,10 +74,16 @@ def json_schema_grammar(schema: Any) -> Any:
         raise GrammarError(f"the JSON schema cannot be compiled: {_message(exc)}; fix the schema or "
                            "drop the keywords named") from None
     ebnf = str(grammar)
-    # strings with min/maxLength: no control characters
-    bounded = _real_dates(_bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)
-                                         .replace(_ANY_ESCAPE, _CHARACTER_ESCAPE)))
-    return grammar if bounded == ebnf else xgr.Grammar.from_ebnf(_reparsable(bounded))
+    repaired = _repaired(ebnf)
+    return grammar if repaired == ebnf else xgr.Grammar.from_ebnf(_reparsable(repaired))
+
+
+def _repaired(ebnf: str) -> str:
+    """xgrammar's EBNF of JSON values with the repairs above: strings with min/maxLength without
+    control characters, no lone surrogate escapes, numbers of bounded digits, dates and times
+    that exist."""
+    return _real_dates(_bound_numbers(ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)
+                                      .replace(_ANY_ESCAPE, _CHARACTER_ESCAPE)))
 
 
 _BYTE_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
@@ -92,7 +100,7 @@ def _bound_numbers(ebnf: str) -> str:
     """`ebnf` with every run of digits bounded (MAX_NUMBER_DIGITS, MAX_EXPONENT_DIGITS): the numbers
     it allows that JSON readers hold exactly stay, an output cannot be one endless number, and no
     number overflows a double."""
-    ebnf = ebnf.replace(_EXPONENT, _EXPONENT.replace("{1, -1}", f"{{1, {MAX_EXPONENT_DIGITS}}}"))
+    ebnf = _EXPONENT.sub(lambda m: f"{m[1]}{{1, {MAX_EXPONENT_DIGITS}}}", ebnf)
     ebnf = ebnf.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS}}}")
     for rule in _DIGIT_RULE.findall(ebnf):
         ebnf = re.sub(rf"\b{rule}\{{(\d+), -1\}}",
@@ -123,8 +131,9 @@ def _real_dates(ebnf: str) -> str:
     days = [name for name, body in rules.items() if body == _DAY]
     for year in [name for name, body in rules.items() if body == "(([0-9]))"]:
         for month in months:
-            for day in days:
-                ebnf = ebnf.replace(f'{year}{{4, 4}} "-" {month} "-" {day}', f'{_YEAR} "-" ({_MONTH_DAY})')
+            for day in days:  # whole names: a second date's day rule is the first's name and "_1"
+                ebnf = re.sub(rf'\b{year}\{{4, 4\}} "-" {month} "-" {day}\b',
+                              lambda _: f'{_YEAR} "-" ({_MONTH_DAY})', ebnf)
     for second, fraction in _SECONDS_AND_FRACTION.findall(ebnf):  # hh ":" mm ":" ss fraction
         if rules.get(second) == _SECOND:
             ebnf = ebnf.replace(f"{second} ::= {_SECOND}", f"{second} ::= (([0-5] [0-9]))")
@@ -143,10 +152,25 @@ def compact_json_tag(tag: dict) -> dict:
             if (node.get("type") == "json_schema" and node.get("style", "json") == "json"
                     and set(node) <= {"type", "json_schema", "style"}):
                 return {"type": "grammar", "grammar": _reparsable(str(json_schema_grammar(node["json_schema"])))}
-            if node.get("type") == "json_schema":  # another style (qwen_xml): the schema as xgrammar reads it too
-                return {**node, "json_schema": _opened(node["json_schema"])}
+            if node.get("type") == "json_schema":  # another style (qwen_xml): its grammar, repaired as well
+                return {"type": "grammar", "grammar": _style_grammar(node)}
             return {k: walk(v) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v) for v in node]
         return node
     return walk(tag)
+
+
+def _style_grammar(node: dict) -> str:
+    """A structural tag's `json_schema` content of another style (qwen_xml, glm_xml, minimax_xml) as
+    the EBNF xgrammar writes for it, from the schema as xgrammar must read it (`_opened`), with
+    `_repaired`'s repairs: those styles write a parameter's object or array, a format's date or
+    time and a number as xgrammar's JSON does (control characters in a bounded string, which the
+    parsers' json.loads refuses, "8E367", "20:40:60Z")."""
+    tag = {"type": "structural_tag", "format": {**node, "json_schema": _opened(node["json_schema"])}}
+    try:
+        ebnf = str(_xgrammar().Grammar.from_structural_tag(json.dumps(tag)))
+    except (TypeError, ValueError, RuntimeError) as exc:  # not JSON data; xgrammar's C++ errors
+        raise GrammarError(f"the structural tag's {node.get('style')} JSON schema cannot be compiled: "
+                           f"{_message(exc)}; fix the schema") from None
+    return _reparsable(_repaired(ebnf))
