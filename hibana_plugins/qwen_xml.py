@@ -32,7 +32,6 @@ import json
 import re
 from typing import Any, Iterator, NamedTuple
 
-from hibana_core.grammar.schema import _pointed
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
 from hibana_plugins.tool_parsers import _accepted, _decode_call, _Decoded, _loads, _Stream, partial_tag_length
 
@@ -73,6 +72,8 @@ def _followed(schema: Any, root: Any, depth: int = 0) -> Any:
     if not isinstance(schema, dict) or depth > _REF_DEPTH:
         return schema
     if isinstance(schema.get("$ref"), str):
+        from hibana_core.grammar.schema import _pointed  # here: the plugin manager imports this module without torch
+
         target = _pointed(root, schema["$ref"])
         return _followed(target, root, depth + 1) if isinstance(target, dict) else schema
     options = {key: [_followed(option, root, depth + 1) for option in schema[key]]
