@@ -19,6 +19,7 @@ import torch
 from hibana_core import ContextLengthError, SamplingParams
 from hibana_core.chat import Chat, StreamedLogprobs, assistant_message
 from hibana_core.speculation import force_outputs
+from test_loader_eos import hf_generate  # generate on the checkpoint as transformers loads it
 from tiny_models import (EOS_ID, assert_greedy_matches, hf_greedy, make_chat_checkpoint, make_tiny_checkpoint,
                          open_engine, random_tokens)
 
@@ -47,18 +48,6 @@ def speculating(qwen_like):
     _, path, _ = qwen_like
     with open_engine(path, speculation=SPECULATION, async_scheduling=True) as engine:
         yield engine
-
-
-def hf_generate(path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """`generate` on the model as transformers loads it (its generation config included), greedy."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=EOS_ID)
-    return out[0, len(prompt):].tolist()
 
 
 # --- the chat layer: a reply the model ended at its other end of sequence ----------------------
