@@ -55,6 +55,9 @@ a8_fold: bf16 w8 / w4 one agent at a time: the norm's, SiLU-and-mul's and attent
 moe_a8: bf16 gpt_oss with MXFP4 experts, one agent at a time: the experts against int8 x (the default
    decode tiles) beside the float GEMV: the first decoded token of every prompt, and half the
    prompts throughout, agree.
+moe_folds: qwen3_moe and gpt_oss with MXFP4 experts in bf16, batch 1: the down projection summing a
+   token's routes (`Fusion.moe_combine`) and the norm writing MXFP4's int8 x (`Fusion.a8_fold`) give the
+   tokens of the separate launches, every prompt throughout.
 Prints a table; exits 1 if a check fails.
 """
 
@@ -893,6 +896,40 @@ def check_moe_a8() -> Iterator[tuple[str, bool, str]]:
         quant_triton.quantize_a8 = original
 
 
+def check_moe_folds() -> Iterator[tuple[str, bool, str]]:
+    """The decode path's launch folds in a sparse block, bf16, batch-1 decode graphs, one prompt
+    at a time: the down projection summing a token's routes itself (`Fusion.moe_combine`) and, for
+    MXFP4 experts, the norm writing x's int8 codes (`Fusion.a8_fold`: `fused_moe_a8`) give the
+    tokens of the separate launches, every prompt throughout (the same sums of the same bits)."""
+    import hibana_kernels as kernels
+    from hibana_kernels import fusion
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    original, handed = kernels.fused_moe_a8, [0]  # the norm's codes really reached the experts
+
+    def counted(*args, **kwargs):
+        handed[0] += 1
+        return original(*args, **kwargs)
+
+    kernels.fused_moe_a8 = counted
+    try:
+        for arch, path, prompts in (case for case in family_cases() if case[0] in ("qwen3_moe", "gpt_oss untied mxfp4")):
+            runs = []
+            for policy in (dataclasses.replace(fusion.AUTO, a8_fold=True, moe_combine=True),
+                           dataclasses.replace(fusion.AUTO, a8_fold=False, moe_combine=False)):
+                with fusion.using(policy), Engine.from_pretrained(path, **ON_GPU, dtype="bfloat16", progress=False,
+                                                                  speculation="off") as engine:
+                    runs.append([list(engine.open_state(f"one{i}").generate(params, prompt=p).token_ids)
+                                 for i, p in enumerate(prompts)])
+            firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24) for x, y in zip(*runs)]
+            mxfp4 = "mxfp4" in arch
+            yield (f"bf16 {arch} moe folds", all(f == 24 for f in firsts) and (handed[0] > 0 or not mxfp4),
+                   f"folded vs separate: first difference at {firsts} (24: none); norm codes handed over "
+                   f"{handed[0]} times")
+    finally:
+        kernels.fused_moe_a8 = original
+
+
 def check_graph_capture() -> Iterator[tuple[str, bool, str]]:
     """CUDA graphs captured while another thread of the process pins host memory (what the host
     tier's warmer does; in torch's default capture mode that invalidates the capture), and a
@@ -950,7 +987,8 @@ CHECKS = {"float32": check_float32, "speculation": check_speculation, "surgery":
           "kv8": check_kv8, "fp8": check_fp8, "bf16": check_bf16_demo, "families": check_families,
           "logprobs": check_logprobs, "logit_bias": check_logit_bias, "window": check_window_pass, "shapes": check_shapes, "tiers": check_tiers,
           "grammar": check_grammar, "moe_fusion": check_moe_fusion, "graph_capture": check_graph_capture,
-          "a8_fold": check_a8_fold, "moe_a8": check_moe_a8, "unit_offset_fold": check_unit_offset_fold}
+          "a8_fold": check_a8_fold, "moe_a8": check_moe_a8, "unit_offset_fold": check_unit_offset_fold,
+          "moe_folds": check_moe_folds}
 
 
 def main() -> int:

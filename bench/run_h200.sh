@@ -112,7 +112,7 @@ ln -s "$PWD/kernels" "$NAMES/hibana_kernels"
 ln -s "$PWD/bench" "$NAMES/hibana_bench"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$NAMES:$PWD${PYTHONPATH:+:$PYTHONPATH}" TQDM_DISABLE=1  # keeps carried wheels (/tmp/site)
 OUT="${OUT:-bench/out}"
-CHECKS="${CHECKS:-float32,speculation,surgery,kv8,fp8,bf16,families,logprobs,window,shapes,tiers,grammar,moe_fusion,graph_capture,a8_fold}"
+CHECKS="${CHECKS:-float32,speculation,surgery,kv8,fp8,bf16,families,logprobs,window,shapes,tiers,grammar,moe_fusion,graph_capture,a8_fold,moe_folds}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

@@ -65,8 +65,9 @@ from hibana_kernels.moe import MoEExperts
 from hibana_kernels.rotary import AttentionPrologue
 
 __all__ = ["AttentionPrologue", "MoEExperts", "a8_order", "causal_conv1d", "conv_advance", "folds_a8", "folds_glu",
-           "fused_add_rms_norm", "fused_moe", "gated_delta_advance", "gated_delta_rule", "gated_rms_norm", "gdn_gates",
-           "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "moe_norm_route", "moe_route",
+           "fused_add_rms_norm", "fused_moe", "fused_moe_a8", "gated_delta_advance", "gated_delta_rule", "gated_rms_norm", "gdn_gates",
+           "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "moe_folds_a8", "moe_norm_route",
+           "moe_route",
            "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm", "linear_a8",
            "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul",
            "silu_and_mul_a8", "silu_and_mul_linear", "store_kv", "triton_available"]
@@ -249,8 +250,25 @@ def folds_a8(x: torch.Tensor, k: int, group_size: int) -> bool:
 
 
 def a8_order(kind: str) -> int:
-    """The order of x's codes a `kind` ("int8", "int4") weight's x int8 GEMV reads."""
-    return quant.A8_PAIRS if kind == "int4" else quant.A8_COLUMNS
+    """The order of x's codes a `kind` ("int8", "int4", "mxfp4") weight's x int8 GEMV reads."""
+    return {"int4": quant.A8_PAIRS, "mxfp4": quant.A8_HALVES}.get(kind, quant.A8_COLUMNS)
+
+
+def moe_folds_a8(x: torch.Tensor, experts: MoEExperts) -> bool:
+    """Whether the norm writing a sparse block's input from x (a tensor of the step's rows) hands
+    the experts that input as int8 codes too (`rms_norm_a8` in `a8_order(experts.kind)`, then
+    `fused_moe_a8`): on CUDA where the experts' decode GEMVs take int8 x (MXFP4's) and the fusion
+    policy folds (`Fusion.a8_fold`); never on the CPU."""
+    from hibana_kernels import fusion
+
+    impl = _triton("moe", x)
+    return impl is not None and fusion.policy().a8_fold and impl.takes_a8(x, experts)
+
+
+def fused_moe_a8(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, experts: MoEExperts, weights: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe` of x given with its int8 codes (q, d) (CUDA only: where `moe_folds_a8`)."""
+    return importlib.import_module("hibana_kernels.moe_triton").fused_moe_a8(x, q, d, experts, weights, ids)
 
 
 def rms_norm_a8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

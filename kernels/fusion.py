@@ -54,7 +54,12 @@ class Fusion:
     cache: `qk_norm_rotary_store`) in its own programs (that launch goes)"""
     a8_fold: bool = False
     """the norm, SiLU-and-mul or decode attention's split merge before an int8 / int4 layer's x int8
-    GEMV writes x's int8 codes too (the quantize launch goes; `hibana_kernels.folds_a8`)"""
+    GEMV writes x's int8 codes too (the quantize launch goes; `hibana_kernels.folds_a8`), and the norm
+    before a sparse block whose experts take int8 x (MXFP4's) writes them for the experts
+    (`hibana_kernels.moe_folds_a8`)"""
+    moe_combine: bool = False
+    """the decode path's down projection, a program per route, sums a token's k rows itself: the last
+    route to finish a tile adds them (an atomic count per token and tile; `_combine_kernel`'s launch goes)"""
 
     def norm_linear(self, k: int) -> bool:
         return k <= self.norm_max_k
@@ -100,7 +105,7 @@ class Fusion:
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
               glu_gelu=True, a8_fold=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
-            glu_gelu=True, attention_prologue=True, a8_fold=True)
+            glu_gelu=True, attention_prologue=True, a8_fold=True, moe_combine=True)
 OFF = Fusion(norm_max_k=0, silu_max_k=0, attention_merge=False)  # the launches as before
 POLICIES = {"auto": AUTO, "on": ON, "off": OFF}
 

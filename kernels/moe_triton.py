@@ -935,14 +935,17 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                         DIRECT: tl.constexpr = False, part_ptr=None, counter_ptr=None, split_k=0,
                         SPLIT: tl.constexpr = False, q_ptr=None, d_ptr=None, stride_qm=0, stride_dm=0,
                         A8: tl.constexpr = False, ASM: tl.constexpr = False,
-                        ROUND_WEIGHT: tl.constexpr = True):
+                        ROUND_WEIGHT: tl.constexpr = True, sum_ptr=None, sum_counter_ptr=None, stride_sm=0,
+                        TOP_K: tl.constexpr = 1, COMBINE: tl.constexpr = False):
     """out[program 0, n] for BLOCK_N hidden features and ROUTES consecutive routes: each route's
     expert's down rows against that route's activation, weighted, summed over the ROUTES in
     float32. ROUTES = k: out is the layer's output, one program per token; ROUTES = 1: out holds
     one row per route, summed by `_combine_kernel` (k times the programs: a token's k experts
     are read at once, not one after another). SPLIT (ROUTES = 1): program (route, tile, s) takes
     split s of I, the last of a tile's splits to finish adds their sums and writes the row. A8
-    (MXFP4): the activations as int8 codes, a row a route (q_ptr, d_ptr: `_gemv_mxfp4_a8`)."""
+    (MXFP4): the activations as int8 codes, a row a route (q_ptr, d_ptr: `_gemv_mxfp4_a8`).
+    COMBINE (ROUTES = 1, no split): the last of a token's TOP_K routes to finish a tile also sums
+    their rows into sum_ptr (`_combine_last`: `_combine_kernel`'s work, without its launch)."""
     wait_for_previous(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -968,7 +971,7 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                      mask=n_mask)
     else:
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(ROUTES):
+        for j in tl.static_range(ROUTES):  # (ROUTES = 1: one route, program 0's)
             route = tl.program_id(0) * ROUTES + j
             expert = tl.load(ids_ptr + route).to(tl.int64)
             w_rows = expert * stride_we + offs_n * stride_wn
@@ -983,6 +986,27 @@ def _down_decode_kernel(act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, b_pt
                                       act_ptr.dtype.element_ty, HAS_BIAS, ROUND_WEIGHT)
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
                  mask=n_mask)
+        if COMBINE:
+            _combine_last(out_ptr, sum_ptr, sum_counter_ptr, tl.program_id(0) // TOP_K, offs_n, n_mask, stride_om,
+                          stride_sm, TOP_K)
+
+
+@triton.jit
+def _combine_last(y_ptr, out_ptr, counter_ptr, token, offs, mask, stride_ym, stride_om, TOP_K: tl.constexpr):
+    """The down projection's meeting point (`Fusion.moe_combine`): this program's row of y is
+    written; a CTA barrier and an acq_rel count per (token, tile) follow, and the program that
+    arrives last adds the token's TOP_K rows in route order in float32 (as `_combine_kernel`: the
+    result does not depend on which route finishes last), writes out and zeroes the count."""
+    tl.debug_barrier()  # every thread's part of the row is written before the count releases it
+    group = token * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:
+        total = tl.zeros(offs.shape, dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            total += tl.load(y_ptr + (token * TOP_K + j).to(tl.int64) * stride_ym + offs, mask=mask,
+                             other=0.0).to(tl.float32)
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
 
 
 # --------------------------------------------------------------------------------- grouped path
@@ -1163,9 +1187,33 @@ def _float_x(tiles: DecodeTiles, kind: str) -> DecodeTiles:
     return FLOAT_TILES.get(kind, tiles._replace(a8=False))
 
 
+def _takes_a8(tiles: DecodeTiles | GroupedTiles, experts: MoEExperts, x: torch.Tensor) -> bool:
+    """Whether the decode path meets these experts with x (and the activations) as int8 codes:
+    a8 tiles, MXFP4 experts, 16-bit x, whole blocks of 32 along both widths."""
+    return (isinstance(tiles, DecodeTiles) and tiles.a8 and experts.kind == "mxfp4"
+            and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] % moe.MXFP4_BLOCK == 0
+            and experts.intermediate_size % moe.MXFP4_BLOCK == 0)
+
+
+def takes_a8(x: torch.Tensor, experts: MoEExperts) -> bool:
+    """Whether `fused_moe` of x's rows would quantize x to int8 codes first (`_takes_a8` on the
+    tiles `choose_tiles` picks): then the norm writing x may hand its codes over (`fused_moe_a8`)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.device.type == "cuda" and rows > 0 and supports(experts)
+            and _takes_a8(choose_tiles(rows, experts.kind), experts, x))
+
+
+COMBINE_GROUPS = 1 << 16
+"""(token, output tile) pairs a combining down launch (`Fusion.moe_combine`) may count arrivals
+for: past it, `_combine_kernel` runs."""
+
+
 def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor,
-                     tiles: DecodeTiles | GroupedTiles) -> torch.Tensor:
-    """fused_moe on the path and tiles chosen by the caller (tests, the tuning script)."""
+                     tiles: DecodeTiles | GroupedTiles,
+                     x_codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """fused_moe on the path and tiles chosen by the caller (tests, the tuning script). x_codes:
+    x's int8 codes (q, d) as `quant_triton.quantize_a8` writes them in A8_HALVES order, for a8
+    tiles (else unused), which then do not quantize x themselves."""
     moe.check_moe_inputs(x, experts, weights, ids)
     if isinstance(tiles, DecodeTiles) and experts.kind in ("mxfp4", "int4"):
         step = 32 if experts.kind == "mxfp4" else 8  # whole MXFP4 blocks; whole int32 words of codes
@@ -1199,11 +1247,13 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
         # the direct GEMV reads x as pairs of bf16 in int32 loads: bf16 rows starting on 4 bytes only
         direct = (tiles.direct and experts.kind == "mxfp4" and x.dtype == torch.bfloat16
                   and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0)
-        a8 = (tiles.a8 and experts.kind == "mxfp4" and x.dtype in (torch.bfloat16, torch.float16)
-              and h % moe.MXFP4_BLOCK == 0 and inter % moe.MXFP4_BLOCK == 0)
+        a8 = _takes_a8(tiles, experts, x)
         if tiles.a8 and not a8:
             tiles = _float_x(tiles, experts.kind)
-        q13, d13 = quant_triton.quantize_a8(x, quant_triton.A8_HALVES) if a8 else (x, x)
+        if a8:
+            q13, d13 = x_codes if x_codes is not None else quant_triton.quantize_a8(x, quant_triton.A8_HALVES)
+        else:
+            q13, d13 = x, x
         asm = x.device.type == "cuda"
         # the down projection's own tiles where its rows take at most 4 of their steps (as measured:
         # Qwen3-30B-A3B's 768 in 3 of 256); longer rows, a larger model's, take the gate|up's
@@ -1227,14 +1277,19 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
             stride_dm=d13.stride(0), A8=a8, ASM=asm, num_warps=tiles.num_warps, **launch)
         q2, d2 = quant_triton.quantize_a8(act, quant_triton.A8_HALVES) if a8 else (act, act)
         y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device) if routes == 1 else out
+        # the last route of a token to finish a tile sums its rows (the combine launch goes)
+        combine = (routes == 1 and split2.count == 1 and fusion.policy().moe_combine
+                   and t * tiles_n2 <= COMBINE_GROUPS)
+        sum_counts = counters.counters("moe decode combine", COMBINE_GROUPS, x.device) if combine else ids
         _down_decode_kernel[(t * top_k // routes, tiles_n2, split2.count)](
             act, ids, weights, w2.w, w2.s, w2.z, w2.b, y, h, inter, y.stride(0), *w2.strides, ROUTES=routes,
             BLOCK_N=down_n, BLOCK_K=down_k, FORMAT=weight_format, GROUP=w2.group, HAS_BIAS=has_b2,
             X_VECTOR=x_vector, TILES=tiles2, DIRECT=direct, part_ptr=_or(split2.partials, x),
             counter_ptr=_or(split2.counters, ids), split_k=split2.columns, SPLIT=split2.count > 1, q_ptr=q2,
             d_ptr=d2, stride_qm=q2.stride(0), stride_dm=d2.stride(0), A8=a8, ASM=asm,
-            ROUND_WEIGHT=experts.round_weights, num_warps=down_warps, **launch)
-        if routes == 1:
+            ROUND_WEIGHT=experts.round_weights, sum_ptr=out, sum_counter_ptr=sum_counts, stride_sm=out.stride(0),
+            TOP_K=top_k, COMBINE=combine, num_warps=down_warps, **launch)
+        if routes == 1 and not combine:
             _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                                 BLOCK=combine_block, num_warps=4, **launch)
         return out
@@ -1255,6 +1310,12 @@ def fused_moe_launch(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor
     _combine_kernel[(t, triton.cdiv(h, combine_block))](y, out, h, out.stride(0), TOP_K=top_k,
                                                         BLOCK=combine_block, num_warps=4, PDL=False)
     return out
+
+
+def fused_moe_a8(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, experts: MoEExperts, weights: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe` of x whose int8 codes (q, d) a norm wrote (where `takes_a8`)."""
+    return fused_moe_launch(x, experts, weights, ids, choose_tiles(x.shape[0], experts.kind), x_codes=(q, d))
 
 
 def fused_moe(x: torch.Tensor, experts: MoEExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ CUDA)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -763,3 +764,59 @@ def check_a8_tiles_on_float32_x_run_the_float_tiles(device):
 
 def test_a8_tiles_on_float32_x_run_the_float_tiles(run_check):
     run_check(check_a8_tiles_on_float32_x_run_the_float_tiles)
+
+
+def check_folds_give_the_separate_launches_bits(device, kind, tokens, top_k):
+    """The decode path's launch folds give the bits of the launches they replace: the down
+    projection summing a token's routes itself (`Fusion.moe_combine`: the last route to finish a
+    tile adds them) and MXFP4's x codes handed over by the norm (`fused_moe_a8`, here from
+    `quantize_a8`) rather than quantized in `fused_moe`; the arrival counts are back at zero."""
+    from hibana_kernels import counters, fusion, quant_triton
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+    experts = _on(_random_experts(kind, "swiglu_oai", True, 8, 96, 64, gen), device)
+    x = torch.randn(tokens, 96, generator=gen).to(device, torch.float16)
+    weights, ids = (t.to(device) for t in moe.moe_route(torch.randn(tokens, 8, generator=gen), top_k,
+                                                         scoring="topk_softmax"))
+    # dense: a program per route and 32 features (3 tiles of H); MXFP4 against int8 x
+    tiles = mt.DecodeTiles(32, 32, 2, down_per_route=True) if kind == "dense" else \
+        mt.DecodeTiles(8, 64, 2, down_per_route=True, a8=True)
+    with fusion.using(dataclasses.replace(fusion.AUTO, moe_combine=False)):
+        separate = mt.fused_moe_launch(x, experts, weights, ids, tiles)
+    with fusion.using(dataclasses.replace(fusion.AUTO, moe_combine=True)):
+        combined = mt.fused_moe_launch(x, experts, weights, ids, tiles)
+        if kind == "mxfp4":
+            handed = mt.fused_moe_launch(x, experts, weights, ids, tiles,
+                                         x_codes=quant_triton.quantize_a8(x, quant_triton.A8_HALVES))
+            torch.testing.assert_close(handed, separate, atol=0, rtol=0)
+    torch.testing.assert_close(combined, separate, atol=0, rtol=0)
+    assert not counters.counters("moe decode combine", mt.COMBINE_GROUPS, torch.device(device)).any()
+
+
+@pytest.mark.parametrize("kind, tokens, top_k", [("dense", 1, 4), ("dense", 3, 2), ("mxfp4", 2, 4)])
+def test_folds_give_the_separate_launches_bits(run_check, kind, tokens, top_k):
+    run_check(check_folds_give_the_separate_launches_bits, kind=kind, tokens=tokens, top_k=top_k)
+
+
+def test_moe_folds_a8_only_where_the_experts_take_int8_x(monkeypatch):
+    """The norm hands a sparse block int8 codes only on CUDA, for experts whose decode tiles take
+    int8 x (MXFP4, 16-bit x, decode batches) and under a policy that folds (`Fusion.a8_fold`)."""
+    import hibana_kernels as kernels
+    from hibana_kernels import fusion
+    mt = _moe_triton()
+    gen = torch.Generator().manual_seed(3)
+    mxfp4 = _random_experts("mxfp4", "swiglu_oai", True, 8, 96, 64, gen)
+    dense = _random_experts("dense", "silu", False, 8, 96, 64, gen)
+    x = torch.randn(1, 96, generator=gen).to(torch.bfloat16)
+    assert not kernels.moe_folds_a8(x, mxfp4) and not mt.takes_a8(x, mxfp4)  # the CPU runs the references
+    monkeypatch.setattr(mt.quant_triton, "A8_MAX_ROWS", 1)  # the default, whatever the environment says
+
+    def takes(rows, experts, dtype=torch.bfloat16, hidden=96):  # takes_a8's rule, but for the device
+        return mt._takes_a8(mt.choose_tiles(rows, experts.kind), experts, torch.zeros(rows, hidden, dtype=dtype))
+
+    assert takes(1, mxfp4) and takes(mt.DECODE_MAX_TOKENS["mxfp4"], mxfp4, torch.float16)
+    assert not takes(mt.DECODE_MAX_TOKENS["mxfp4"] + 1, mxfp4)  # grouped
+    assert not takes(1, mxfp4, torch.float32) and not takes(1, dense)
+    monkeypatch.setattr(mt.quant_triton, "A8_MAX_ROWS", 0)  # HIBANA_A8_ROWS=0: x stays in 16 bits
+    assert not takes(1, mxfp4)
+    assert not fusion.OFF.a8_fold and fusion.AUTO.a8_fold

@@ -154,15 +154,21 @@ class ExpertsBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' output for norm(x + residual); returns (it, x + residual)."""
+        experts = self.experts.kernel_experts()
         if norm.fusable and residual is not None:  # Llama's norm: one launch with the router where it pays
             weight, bias = self.router_weights()
             h, residual, weights, ids = kernels.moe_norm_route(x, residual, norm.weight, norm.eps, weight, bias,
                                                                self.top_k, scoring=self.scoring,
                                                                renormalize=self.renormalize)
-        else:
-            h, residual = norm(x, residual)  # [T, hidden]
-            weights, ids = self.route(h)
-        return kernels.fused_moe(h, self.experts.kernel_experts(), weights, ids), residual
+            return kernels.fused_moe(h, experts, weights, ids), residual
+        # where the experts take int8 x, the norm's launch writes h's codes too (a norm weight of x's
+        # dtype: the norm's output dtype is then x's)
+        if norm.weight is not None and norm.weight.dtype == x.dtype and kernels.moe_folds_a8(x, experts):
+            h, residual, q, d = kernels.rms_norm_a8(x, residual, norm.weight, norm.eps, norm.unit_offset,
+                                                    kernels.a8_order(experts.kind), norm.cast_last)
+            return kernels.fused_moe_a8(h, q, d, experts, *self.route(h)), residual
+        h, residual = norm(x, residual)  # [T, hidden]
+        return kernels.fused_moe(h, experts, *self.route(h)), residual
 
 
 class SparseMoE(ExpertsBlock):
