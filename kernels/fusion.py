@@ -102,6 +102,11 @@ class Fusion:
 # attention_prologue (H100, 2026-12-05, `run_h200.sh policies`, `POLICIES="auto,auto+attention_prologue"`, graph
 # replay): qwen3-0.6b 0.866 -> 0.864 ms at 512 keys, 1.217 -> 1.238 at 8192; qwen3-8b 5.716 -> 5.762, 6.159 ->
 # 6.154; with PDL off, qwen3-0.6b 1.049 -> 1.033, 1.384 -> 1.393. 28-36 launches fewer, no faster: AUTO leaves it off.
+# The sparse block's folds (H100, 2026-12-07, `MODEL=gpt-oss-20b POLICIES="auto+a8_fold=0,auto,auto+moe_combine" x2
+# bash bench/run_h200.sh policies`, batch 1, 512 keys, graph replay): the norm writing MXFP4's int8 x (a8_fold)
+# 2.111 / 2.106 -> 2.092 / 2.095 ms (339 -> 315 kernels a step, 464-466 -> 468 tok/s); the down projection
+# summing the routes (moe_combine) 2.092 / 2.095 -> 2.133 / 2.126 ms (291 kernels): every route's program
+# counts its arrival, and the down launch grew by more than the combine launch it replaced. AUTO leaves it off.
 AUTO = Fusion(norm_max_k=2048, silu_max_k=6144, attention_merge=False, moe_norm_route=False, glu_silu_max_n=8192,
               glu_gelu=True, a8_fold=True)
 ON = Fusion(norm_max_k=sys.maxsize, silu_max_k=sys.maxsize, attention_merge=True, moe_norm_route=True,
