@@ -184,6 +184,7 @@ class Chat:
         self._spelt: dict[int, tuple[str, bytes]] = {}  # token id -> its text and bytes in logprobs, as first spelt
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
+        self._results_rendered: bool | None = None  # whether it renders tool results (probed on first use)
         self._floor: list[TokenFloor | None] = []  # `token_floor` of the tokenizer, once found: shared by `on`
         self._lead: list[int | None] = []  # the special token markup past the text's start follows (`_resumed`), once
         self._opening: list[str] = []  # what the template writes before a reply (`_reply_opening`), once
@@ -382,6 +383,10 @@ class Chat:
             if role not in KNOWN_ROLES and not self._renders_role(role):
                 raise ConversationError(f"message {i} has role {role!r}, which the chat template does not render "
                                         f"(it would be dropped); use one of {sorted(KNOWN_ROLES)}")
+        if any(m["role"] == "tool" for m in messages) and not self.renders_tool_results():
+            raise ConversationError(
+                "this model's chat template does not render tool results (Phi-3's drops them): the model would "
+                "not see them. Send each result as a user message, or give the model a template that renders them")
         if tools and not self.renders_tools():
             raise ConversationError(
                 "this model's chat template does not render tools (Gemma 3's and Phi-3's do not): the model would "
@@ -467,6 +472,19 @@ class Chat:
             self._tools_rendered = self._writes("hibana_tool_probe", [{"role": "user", "content": "hi"}],
                                                 tools=[probe], add_generation_prompt=True)
         return self._tools_rendered
+
+    def renders_tool_results(self) -> bool:
+        """Whether the chat template writes a tool's result (Phi-3's drops tool messages without a
+        word). A template that refuses the probe is taken to render them: the call's own render
+        then says what it refuses."""
+        if self._results_rendered is None:
+            call = {"id": "hibanaprb", "type": "function", "function": {"name": "hibana_tool_probe", "arguments": {}}}
+            text = self._probe([{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "", "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": "hibanaprb", "content": "hibana-result-probe"}],
+                               add_generation_prompt=True)
+            self._results_rendered = text is None or "hibana-result-probe" in text
+        return self._results_rendered
 
     def _renders_role(self, role: str) -> bool:
         """Whether the chat template writes a message of `role` (templates drop roles they do not
