@@ -29,7 +29,8 @@ _MEDIA_PARTS = frozenset({"image", "image_url", "input_image", "audio", "input_a
 
 def normalize_messages(messages: Sequence[dict]) -> list[dict]:
     """OpenAI-style messages as chat templates expect them: content as a string, tool-call
-    arguments as dicts (so the template re-serialises them the way the model wrote them).
+    arguments as dicts (so the template re-serialises them the way the model wrote them; as JSON
+    text where they hold a lone surrogate, which a template's tojson would write raw).
     "developer" is the system role. A message the template could not render faithfully is a
     ConversationError (UnsupportedContentError for images, audio, files)."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
@@ -115,6 +116,9 @@ def _normalize_call(i: int, call: Any) -> dict:
         if nests_deeper(arguments, MAX_JSON_DEPTH):
             raise ConversationError(f"message {i} holds a tool call whose arguments nest objects and arrays more "
                                     f"than {MAX_JSON_DEPTH} levels deep, more than templates render; flatten them")
+        text = json.dumps(arguments, ensure_ascii=False)
+        if LONE_SURROGATE.search(text):  # half of an escaped pair the model wrote: a template's tojson would write
+            arguments = escaped_surrogates(text)  # it raw, which no tokenizer reads; as JSON text, as it was written
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -124,6 +128,16 @@ def _check_json(value: Any, error: Callable[[Exception], HibanaError]) -> None:
         json.dumps(value, allow_nan=False)  # (NaN and Infinity are no JSON)
     except (ValueError, TypeError, RecursionError) as exc:  # a cycle, a non-JSON type, a huge integer
         raise error(exc) from None
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def escaped_surrogates(json_text: str) -> str:
+    """JSON text with each lone surrogate, which UTF-8 cannot carry, written as its `\\uXXXX`
+    escape (JSON for the same string): a tool call's arguments that decode to one (a model cut an
+    escaped pair) stay text that a client can send back and a tokenizer can read."""
+    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text)
 
 
 def check_text(text: str, what: str, error: type[HibanaError] = ConversationError) -> None:

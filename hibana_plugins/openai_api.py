@@ -14,7 +14,6 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import json
-import re
 import string
 import time
 import urllib.parse
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hibana_core.chat import REASONING_EFFORTS, StreamedLogprobs, TokenIds, assistant_message
 from hibana_core.config import MAX_STOPS, SamplingParams, token_id_key
 from hibana_core.errors import ConfigError
-from hibana_core.messages import normalize_tool_choice, normalize_tools, response_format_schema
+from hibana_core.messages import escaped_surrogates, normalize_tool_choice, normalize_tools, response_format_schema
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
 
 if TYPE_CHECKING:
@@ -73,9 +72,6 @@ def named_state(header: str | None) -> str | None:
     return name
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def json_text(value: Any, **options: Any) -> str:
     """`value` as the JSON text of a reply or a stream's event (`options`: json.dumps'): other
     scripts as they are, but a lone surrogate, which UTF-8 cannot carry, as its `\\uXXXX` escape
@@ -83,7 +79,7 @@ def json_text(value: Any, **options: Any) -> str:
     of an escaped pair (`"\\ud83d"`); written raw, it failed the whole reply with a 500, and a
     stream mid-way."""
     text = json.dumps(value, ensure_ascii=False, **options)
-    return text if text.isascii() else _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text if text.isascii() else escaped_surrogates(text)
 
 
 class ApiError(Exception):
@@ -541,8 +537,8 @@ class Reply:
             return self._chunk({}, openai_finish_reason(delta.result), logprobs, index)
         if delta.tool_call is not None:
             call = delta.tool_call
-            piece: dict[str, Any] = {"index": call.index}
-            function: dict[str, str] = {"arguments": call.arguments_fragment}
+            piece: dict[str, Any] = {"index": call.index}  # (its text as the whole reply's: `assistant_message`)
+            function: dict[str, str] = {"arguments": escaped_surrogates(call.arguments_fragment)}
             if call.id is not None:  # the call's first delta
                 piece.update(id=call.id, type="function")
                 function = {"name": call.name or "", **function}

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hibana_plugins.openai_api import (MAX_STATE_ID, ApiError, ChatRequest, Reply, in_order, joined, json_text,
                                        parse_request, total_usage)
+from hibana_core.messages import escaped_surrogates
 from hibana_core.turn import ChatDelta, ChatResult
 
 if TYPE_CHECKING:
@@ -410,9 +411,10 @@ class ResponsesReply(Reply):
                                                          "arguments": "", "status": "in_progress"})
         if call.arguments_fragment and self._open is not None:
             item = self._items[self._open["index"]]
-            item["arguments"] += call.arguments_fragment
+            fragment = escaped_surrogates(call.arguments_fragment)  # as the whole response's (`_output`)
+            item["arguments"] += fragment
             events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=self._open["index"], delta=call.arguments_fragment))
+                                      output_index=self._open["index"], delta=fragment))
         return events
 
     def _close(self, status: str = "completed") -> list[dict]:
@@ -466,7 +468,8 @@ def _output(result: ChatResult, chat: "Chat") -> list[dict]:
                                        "logprobs": logprobs}]})
         else:
             items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": piece.id,
-                          "name": piece.name, "arguments": json.dumps(piece.arguments, ensure_ascii=False),
+                          "name": piece.name,  # (a lone surrogate escaped: text a client can send back as input)
+                          "arguments": escaped_surrogates(json.dumps(piece.arguments, ensure_ascii=False)),
                           "status": "completed"})
     return items
 

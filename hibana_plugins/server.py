@@ -511,7 +511,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             return StreamingResponse(sse(request.url.path, reply, interleaved(firsts, streams), len(streams), call,
                                          metrics, request.app.state.drain),
                                      media_type="text/event-stream", headers=headers)
-        result = await unless_gone(request, rest(streams[0], firsts[0]))
+        with metrics.in_flight.track_inprogress():
+            result = await unless_gone(request, rest(streams[0], firsts[0]))
         metrics.requests.labels(request.url.path, "200").inc()
         return await whole_reply(reply, [result], headers)
 
@@ -528,7 +529,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                 metrics.ttft.observe(time.monotonic() - received)
             return await rest(deltas, first)
 
-        outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True))
+        with metrics.in_flight.track_inprogress():  # the request once, however many turns it runs
+            outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True))
         failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if failed:
             raise failed[0]
@@ -574,13 +576,12 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
     async def rest(deltas: AsyncIterator[list[ChatDelta]], first: list[ChatDelta]) -> turn.ChatResult:
         """The turn after its first deltas, to its result."""
         result = result_in(first)
-        with metrics.in_flight.track_inprogress():
-            async with contextlib.aclosing(deltas):
-                try:
-                    async for batch in deltas:
-                        result = result_in(batch, result)
-                except HibanaError as exc:
-                    raise api_error(exc) from None
+        async with contextlib.aclosing(deltas):
+            try:
+                async for batch in deltas:
+                    result = result_in(batch, result)
+            except HibanaError as exc:
+                raise api_error(exc) from None
         return result
 
     return app
