@@ -15,45 +15,19 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
+from test_server_audit import forced_call_parser  # noqa: E402,F401 (a fixture: the call it forces)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture
-def half_pair_parser():
-    """The hermes parser, its grammar forcing one call whose arguments hold half of an escaped
-    surrogate pair (`\\ud83d`), as a model that writes emoji as escaped pairs may cut one."""
-    from hibana_plugins import hookimpl
-    from hibana_plugins.manager import get_plugin_manager, reset_plugin_manager
-    from hibana_plugins.tool_parsers import HermesToolParser
-
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo \\ud83d"}}\n</tool_call>'
-
-    class Forced(HermesToolParser):
-        def tool_call_grammar(self, tools, tool_choice, parallel):
-            return {"type": "structural_tag", "format": {"type": "const_string", "value": call}}
-
-    class Plugin:
-        @hookimpl
-        def register_tool_parsers(self, register):
-            register("hibana_test_half_pair", Forced())
-
-    reset_plugin_manager()
-    get_plugin_manager().register(Plugin(), name="hibana-test-half-pair")
-    try:
-        yield "hibana_test_half_pair"
-    finally:
-        reset_plugin_manager()
-
-
-def test_a_call_holding_half_a_surrogate_pair_goes_back_as_the_next_turns_history(engine, half_pair_parser):
+def test_a_call_holding_half_a_surrogate_pair_goes_back_as_the_next_turns_history(engine, forced_call_parser):
     """The call's `arguments` held the lone surrogate itself (escaped only by the reply's JSON), so
     the openai client could not send the assistant message back (UnicodeEncodeError in the SDK),
     and the history a client that escapes it sends (LangChain's, any `ensure_ascii` encoder) was a
     400: the agent's tool loop ended at its second turn. The arguments are the JSON text the model
     wrote now, whole and streamed, and the next turn continues the state they left."""
-    with serving(engine, ServerConfig("demo", tool_parser=half_pair_parser)) as url:
+    with serving(engine, ServerConfig("demo", tool_parser=forced_call_parser)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "Weather in Oslo?"}]
         asked = dict(model="demo", tools=[WEATHER], max_tokens=32, extra_headers={"X-Hibana-State": "half-pair"})
