@@ -109,6 +109,7 @@ class WeightQuantPass:
             raise ConfigError(f"surgery pass w{self.bits} found no linear layer it can pack in this model")
         head, head_bytes = _pack_lm_head(model, params["lm_head"])
         experts = self._pack_experts(model, wanted, clip)
+        groups |= experts["groups"]  # an expert stack takes its own size where wanted does not divide its inputs
         used = {"group_sizes_used": sorted(groups)} if self.bits == 4 else {}
         if self.bits == 4 and groups - {wanted}:
             logger.warning("surgery w4: group_size %d does not divide every layer's inputs; those layers use groups "
@@ -121,7 +122,7 @@ class WeightQuantPass:
 
     def _pack_experts(self, model: "torch.nn.Module", wanted: int | None, clip: bool | None) -> dict[str, Any]:
         """Pack the float expert stacks of every MoE layer, each stack by the linears' rule; the
-        record's expert fields and the bytes before and after."""
+        record's expert fields, the bytes before and after, and the int4 group sizes used."""
         from hibana_core.models.moe import STACKS
         from hibana_core.surgery import progress_bar
         from hibana_core.surgery.quantize import group_size_for, quantize_stacked
@@ -130,6 +131,7 @@ class WeightQuantPass:
                    if hasattr(m, "set_packed_stacks") and m.has_float_stacks]
         before = after = 0
         kept: list[str] = []
+        used: set[int] = set()  # w4: the group sizes the stacks took
         for name, module in progress_bar(experts, desc=f"surgery w{self.bits} experts", unit="layer", leave=False,
                                  disable=not experts):
             stacks = {stack: getattr(module, stack).data for stack in STACKS}  # each [E, N, K]
@@ -139,11 +141,12 @@ class WeightQuantPass:
                 kept.append(name)
                 continue
             packed = {stack: quantize_stacked(w, self.bits, groups[stack], clip) for stack, w in stacks.items()}
+            used |= set(groups.values()) - {0}
             before += _tensor_bytes(stacks.values())
             module.set_packed_stacks(f"int{self.bits}", packed)
             after += _tensor_bytes(t for p in packed.values() for t in p.values())
         return {"experts": len(experts) - len(kept), "experts_kept_float": kept, "bytes_before": before,
-                "bytes_after": after}
+                "bytes_after": after, "groups": used}
 
 
 class KVQuantPass:

@@ -82,7 +82,12 @@ class SinkWindowPass:
         if isinstance(wanted, list) and not set(wanted) <= set(full):
             raise ConfigError(f"window: layers {sorted(set(wanted) - set(full))} are not full-attention "
                               f"layers of this model (those are {full})")
-        positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        args = getattr(model, "args", None)
+        positions = getattr(args, "max_position_embeddings", None)
+        if isinstance(positions, int):
+            from hibana_core.loader import context_limit  # (torch: not at import, the manager loads this module)
+
+            positions = context_limit(args)  # a YaRN rope serves past max_position_embeddings (max_model_len may)
         if isinstance(positions, int) and positions <= reach:
             # (sink tokens that fill the positions alone leave no window to take)
             smaller = (f"a window under {positions - params['sink_tokens']}" if params["sink_tokens"] < positions - 1
