@@ -775,12 +775,12 @@ def test_a_step_does_not_look_at_every_parked_state(tiny_checkpoints, make_engin
         h = engine.open_state(f"idle-{i}")
         h.sync(random_tokens(rng, 40))
         engine.registry.note_turn(h, called_tools=i % 2 == 0)  # half ended in tool calls, long ago
+    time.sleep(0.2)  # the tool waits expire: no prefetch brings a state back while they are counted
     for info in engine.states():  # room for the runner: no eviction scan while it decodes
         if info.tier == "device":
             engine.open_state(info.id).close()
     parked = sum(info.tier == "host" for info in engine.states())
-    assert parked >= 50
-    time.sleep(0.2)
+    assert parked >= 40  # (the states prefetched while the others were made are closed with the device's)
     runner = engine.open_state("runner")
     runner.sync(random_tokens(rng, 3))
     looked = 0

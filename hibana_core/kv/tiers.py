@@ -259,9 +259,16 @@ class HostTier:
         """Bring a parked state's KV back into fresh device blocks, as far as its history still
         starts with the parked tokens. Returns the tokens restored (0: nothing to do, or no room:
         the copy stays parked and the state catches up by computing). On a side stream the copy
-        is enqueued, not done: the compute stream waits for it before its blocks are written."""
-        with self._timed():
-            return self._restore(seq, make_room)
+        is enqueued, not done: the compute stream waits for it before its blocks are written.
+        The states evicted for it (device blocks, a hybrid model's state slot) may be parked here,
+        but never by pushing `seq`'s own copy out of the host budget: the restore reads it next (a
+        state that cannot be parked then goes to disk, or recomputes later)."""
+        self._restoring = id(seq)
+        try:
+            with self._timed():
+                return self._restore(seq, make_room)
+        finally:
+            self._restoring = None
 
     @contextlib.contextmanager
     def _timed(self):
@@ -291,7 +298,8 @@ class HostTier:
             return 0
         n = common_prefix_len(seq.tokens, parked.tokens)
         diverged = n < min(seq.block_size, len(parked.tokens))  # within its first block
-        if not diverged and seq.index_match(n) >= n:
+        # (not a hybrid state: its linear layers' state at n is in its copy alone)
+        if not diverged and seq.recurrent is None and seq.index_match(n) >= n:
             # the index holds it all, maybe in blocks nobody holds (the state's own, freed by its
             # park): adopted now, before the copy goes, or the next allocation may take them
             seq.reuse_cached_blocks(n)
@@ -310,7 +318,7 @@ class HostTier:
         with self._phase("prefix index"):
             seq.reuse_cached_blocks(n)  # what other states still hold (a shared system prompt) is not copied
         first = len(seq.block_ids)
-        if not self._device_room(seq, blocks - first, make_room):
+        if not self._device_room(blocks - first, make_room):
             seq.release()
             return 0
         copy = self._read_copy(seq)
@@ -339,6 +347,8 @@ class HostTier:
     def prefetch(self, seq: KVSequence) -> int:
         """`restore` ahead of the state's request (its agent is due back from its tools), into
         free device blocks only: nothing is evicted for it."""
+        if seq.recurrent is not None and not seq.recurrent.slots.num_free:
+            return 0  # a hybrid state's slot would be taken from an idle state (two due agents took turns)
         n = self.restore(seq, lambda blocks: False)
         self.counters.prefetches += n > 0
         return n
@@ -348,7 +358,7 @@ class HostTier:
         index is not consulted)."""
         parked = seq.parked
         index = parked.page_index(n, seq)
-        if not self._device_room(seq, len(index), make_room):
+        if not self._device_room(len(index), make_room):
             return 0
         copy = self._read_copy(seq)
         if copy is None:
@@ -361,18 +371,12 @@ class HostTier:
         self._restored(seq, n, n, len(ids))
         return n
 
-    def _device_room(self, seq: KVSequence, blocks: int, make_room: Callable[[int], bool]) -> bool:
-        """Free device blocks for `blocks` of `seq`'s restore. The states evicted for them may be
-        parked here, but never by pushing `seq`'s own copy out of the host budget: the restore
-        reads it next (a state that cannot be parked then goes to disk, or recomputes later)."""
+    def _device_room(self, blocks: int, make_room: Callable[[int], bool]) -> bool:
+        """Free device blocks for `blocks` of a restore (`restore` keeps the restoring state's copy parked)."""
         if self.pool.can_allocate(blocks):
             return True
-        self._restoring = id(seq)
-        try:
-            with self._phase("making room"):
-                return make_room(blocks)
-        finally:
-            self._restoring = None
+        with self._phase("making room"):
+            return make_room(blocks)
 
     def _read_copy(self, seq: KVSequence) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None] | None:
         """The parked copy's KV in host memory, maybe still being copied there, and a hybrid
