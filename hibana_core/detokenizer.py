@@ -19,6 +19,7 @@ import json
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
+from hibana_core.errors import CheckpointError
 from hibana_plugins.hookspecs import GeneratedText, Span
 
 _CONTEXT_TOKENS = 4
@@ -156,6 +157,11 @@ def _context(tokenizer: Any, history: Sequence[int]) -> tuple[list[int], int]:
     return list(history[start:]), end - start
 
 
+def _undecodable(what: str, exc: Exception, remedy: str) -> CheckpointError:
+    return CheckpointError(f"the tokenizer failed to decode {what} ({exc!r}): it does not cover the model's "
+                           f"vocabulary or is damaged; fix the checkpoint's tokenizer, {remedy}")
+
+
 class StopMatcher:
     """Knuth-Morris-Pratt over streamed text: `matched` is the length of the longest end of the
     text fed so far that starts `stop`. The failure table grows only as far as a match has gone,
@@ -195,7 +201,11 @@ class Detokenizer:
         self._control_text = control or {}
         self.control_spans: list[Span] = []  # spans of `text` that are generated control tokens
         self._spans_emitted = 0  # how many of them were handed out
-        self._ids, self._read_offset = _context(tokenizer, history) if tokenizer is not None else ([], 0)
+        try:
+            self._ids, self._read_offset = _context(tokenizer, history) if tokenizer is not None else ([], 0)
+        except Exception as exc:  # the request is refused before it is queued; its state is unchanged
+            raise _undecodable("the end of the state's history", exc,
+                               "or leave the ids it cannot decode out of the history") from exc
         self._prefix_offset = 0
         self._history_end = len(self._ids)  # past _read_offset where the history ends inside a character
         self.text = ""
@@ -206,9 +216,18 @@ class Detokenizer:
         self._bytes: Callable[[int], bytes] | None = None  # token id -> its bytes, made when first needed
 
     def add(self, token_id: int) -> bool:
-        """Take one generated token; returns True when a stop string appeared (text is cut)."""
+        """Take one generated token; returns True when a stop string appeared (text is cut). A
+        tokenizer that fails to decode it (an id past a slow tokenizer's pieces, where the model's
+        vocabulary is padded) is a CheckpointError: that request fails, on whichever thread decodes."""
         if self.tokenizer is None or self.stopped:
             return self.stopped
+        try:
+            return self._add(token_id)
+        except Exception as exc:
+            raise _undecodable(f"the generated token {token_id}", exc,
+                               f"or forbid the token with logit_bias={{{token_id}: -100}}") from exc
+
+    def _add(self, token_id: int) -> bool:
         self._ids.append(token_id)
         decode = self._decode
         prefix = decode(self._ids[self._prefix_offset:self._read_offset])

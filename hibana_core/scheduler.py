@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from hibana_core.config import SamplingParams, SchedulerConfig
-from hibana_core.errors import GrammarError, MemoryBudgetError, QueueTimeoutError
+from hibana_core.errors import GrammarError, HibanaError, MemoryBudgetError, QueueTimeoutError
 from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.policies import Eviction, StateUse
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
@@ -619,7 +619,13 @@ class Scheduler:
             accepted.append(token)
             if request.grammar is not None and request.grammar.done and request.grammar.last_resort(token):
                 return accepted, "stop"  # an ignore_eos grammar's end: a stop token, not text
-            if token in request.stop_token_ids or (request.stop_check is not None and request.stop_check(token)):
+            try:
+                stopped = token in request.stop_token_ids or (request.stop_check is not None
+                                                              and request.stop_check(token))
+            except HibanaError as exc:  # a tokenizer that cannot decode the token (`Detokenizer.add`):
+                request.error = exc     # this request fails alone (raised out of the step, it failed them all)
+                return accepted, "error"
+            if stopped:
                 return accepted, "stop"
             if request.grammar is not None and request.grammar.done:
                 return accepted, "stop"
