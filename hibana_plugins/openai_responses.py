@@ -186,7 +186,8 @@ def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
     """The conversation as chat messages: instructions first (a system message), an input string
     as one user message; a function_call item joins the assistant message before it (or opens one),
     as does an assistant message after a function_call (text written after a call: one turn); a
-    reasoning item's text goes to the assistant message after it."""
+    reasoning item's text goes to the assistant message after it, or where a user or system
+    message comes first, to an assistant message of its own."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(given, str):
         return messages + [{"role": "user", "content": given}]
@@ -217,6 +218,8 @@ def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
             elif role == "assistant":
                 assistant(content)
             else:
+                if thinking:  # a turn of reasoning alone (max_output_tokens cut it there): not the next turn's
+                    assistant(None)
                 messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
