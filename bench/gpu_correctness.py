@@ -913,7 +913,8 @@ def check_moe_folds() -> Iterator[tuple[str, bool, str]]:
 
     kernels.fused_moe_a8 = counted
     try:
-        for arch, path, prompts in (case for case in family_cases() if case[0] in ("qwen3_moe", "gpt_oss untied mxfp4")):
+        cases = (case for case in family_cases() if case[0] in ("qwen3_moe", "gpt_oss untied mxfp4"))
+        for arch, path, prompts in cases:
             runs = []
             for policy in (dataclasses.replace(fusion.AUTO, a8_fold=True, moe_combine=True),
                            dataclasses.replace(fusion.AUTO, a8_fold=False, moe_combine=False)):

@@ -41,7 +41,7 @@ from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError
                                 StateBusyError, StateClosedError)
 from hibana_core.messages import (KNOWN_ROLES, TOOL_CHOICE_MODES, ConversationError,  # noqa: F401 (re-exported)
                                   ToolChoiceError, ToolSchemaError, UnsupportedContentError, check_text,
-                                  check_tool_results, clean_schema, clean_tool, escaped_surrogates,
+                                  check_tool_results, clean_schema, clean_tool, json_text,
                                   normalize_messages, normalize_tool_choice, normalize_tools, one_call_a_message)
 from hibana_core.turn import MALFORMED, ChatDelta, ChatResult, Usage  # noqa: F401 (re-exported)
 from hibana_plugins.hookspecs import ParsedOutput, ToolCall, ToolCallDelta
@@ -1320,8 +1320,7 @@ def assistant_message(result: ChatResult) -> dict:
         message["reasoning_content"] = result.reasoning
     if result.tool_calls:  # arguments holding a lone surrogate escape it: text a client can send back
         message["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": escaped_surrogates(json.dumps(c.arguments, ensure_ascii=False))}}
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json_text(c.arguments)}}
             for c in result.tool_calls]
     return message
 

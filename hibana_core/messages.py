@@ -111,21 +111,21 @@ def _normalize_call(i: int, call: Any) -> dict:
         except (ValueError, RecursionError):
             pass  # the template prints a string as it is
     if not isinstance(arguments, str):
-        _check_json(arguments, lambda exc: ConversationError(
+        text = _check_json(arguments, lambda exc: ConversationError(
             f"message {i} holds a tool call whose arguments are not JSON ({exc}); pass a dict or a JSON string"))
         if nests_deeper(arguments, MAX_JSON_DEPTH):
             raise ConversationError(f"message {i} holds a tool call whose arguments nest objects and arrays more "
                                     f"than {MAX_JSON_DEPTH} levels deep, more than templates render; flatten them")
-        text = json.dumps(arguments, ensure_ascii=False)
         if LONE_SURROGATE.search(text):  # half of an escaped pair the model wrote: a template's tojson would write
             arguments = escaped_surrogates(text)  # it raw, which no tokenizer reads; as JSON text, as it was written
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _check_json(value: Any, error: Callable[[Exception], HibanaError]) -> None:
-    """Raise `error(exc)` unless `value` serialises as JSON (what templates do with it)."""
+def _check_json(value: Any, error: Callable[[Exception], HibanaError]) -> str:
+    """`value` as JSON text (other scripts as they are); raise `error(exc)` where it does not
+    serialise (what templates do with it)."""
     try:
-        json.dumps(value, allow_nan=False)  # (NaN and Infinity are no JSON)
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)  # (NaN and Infinity are no JSON)
     except (ValueError, TypeError, RecursionError) as exc:  # a cycle, a non-JSON type, a huge integer
         raise error(exc) from None
 
@@ -138,6 +138,15 @@ def escaped_surrogates(json_text: str) -> str:
     escape (JSON for the same string): a tool call's arguments that decode to one (a model cut an
     escaped pair) stay text that a client can send back and a tokenizer can read."""
     return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text)
+
+
+def json_text(value: Any, **options: Any) -> str:
+    """`value` as JSON text (`options`: json.dumps'): other scripts as they are, but a lone
+    surrogate, which UTF-8 cannot carry, as its `\\uXXXX` escape (`escaped_surrogates`). A tool
+    call's arguments decode to one where the model wrote half of an escaped pair (`"\\ud83d"`):
+    written raw, a reply failed with a 500, a stream mid-way, and a client could not send it back."""
+    text = json.dumps(value, ensure_ascii=False, **options)
+    return text if text.isascii() else escaped_surrogates(text)
 
 
 def check_text(text: str, what: str, error: type[HibanaError] = ConversationError) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import json
 import string
 import time
 import urllib.parse
@@ -27,6 +26,7 @@ from hibana_core.chat import REASONING_EFFORTS, StreamedLogprobs, TokenIds, assi
 from hibana_core.config import MAX_STOPS, SamplingParams, token_id_key
 from hibana_core.errors import ConfigError
 from hibana_core.messages import escaped_surrogates, normalize_tool_choice, normalize_tools, response_format_schema
+from hibana_core.messages import json_text  # noqa: F401 (re-exported: the server's and the other APIs' replies)
 from hibana_core.turn import ChatDelta, ChatResult, Usage, openai_finish_reason
 
 if TYPE_CHECKING:
@@ -70,16 +70,6 @@ def named_state(header: str | None) -> str | None:
     if not 0 < len(name) <= MAX_STATE_ID:
         raise ApiError(400, f"the {STATE_HEADER} header must name a state in 1 to {MAX_STATE_ID} characters")
     return name
-
-
-def json_text(value: Any, **options: Any) -> str:
-    """`value` as the JSON text of a reply or a stream's event (`options`: json.dumps'): other
-    scripts as they are, but a lone surrogate, which UTF-8 cannot carry, as its `\\uXXXX` escape
-    (JSON for the same string). A tool call's arguments decode to one where the model wrote half
-    of an escaped pair (`"\\ud83d"`); written raw, it failed the whole reply with a 500, and a
-    stream mid-way."""
-    text = json.dumps(value, ensure_ascii=False, **options)
-    return text if text.isascii() else escaped_surrogates(text)
 
 
 class ApiError(Exception):

@@ -16,7 +16,6 @@ what to do instead.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import time
 import uuid
@@ -472,7 +471,7 @@ def _output(result: ChatResult, chat: "Chat") -> list[dict]:
         else:
             items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": piece.id,
                           "name": piece.name,  # (a lone surrogate escaped: text a client can send back as input)
-                          "arguments": escaped_surrogates(json.dumps(piece.arguments, ensure_ascii=False)),
+                          "arguments": json_text(piece.arguments),
                           "status": "completed"})
     return items
 

@@ -65,12 +65,12 @@ from hibana_kernels.moe import MoEExperts
 from hibana_kernels.rotary import AttentionPrologue
 
 __all__ = ["AttentionPrologue", "MoEExperts", "a8_order", "causal_conv1d", "conv_advance", "folds_a8", "folds_glu",
-           "fused_add_rms_norm", "fused_moe", "fused_moe_a8", "gated_delta_advance", "gated_delta_rule", "gated_rms_norm", "gdn_gates",
-           "gelu_tanh_and_mul", "linear", "linear_fp8", "linear_int4", "linear_int8", "moe_folds_a8", "moe_norm_route",
-           "moe_route",
-           "mxfp4_dequantize", "paged_attention", "qk_norm_rotary_store", "rms_norm", "linear_a8",
-           "paged_attention_a8", "rms_norm_a8", "rms_norm_linear", "rotary_embedding", "silu_and_mul",
-           "silu_and_mul_a8", "silu_and_mul_linear", "store_kv", "triton_available"]
+           "fused_add_rms_norm", "fused_moe", "fused_moe_a8", "gated_delta_advance", "gated_delta_rule",
+           "gated_rms_norm", "gdn_gates", "gelu_tanh_and_mul", "linear", "linear_a8", "linear_fp8", "linear_int4",
+           "linear_int8", "moe_folds_a8", "moe_norm_route", "moe_route", "mxfp4_dequantize", "paged_attention",
+           "paged_attention_a8", "qk_norm_rotary_store", "rms_norm", "rms_norm_a8", "rms_norm_linear",
+           "rotary_embedding", "silu_and_mul", "silu_and_mul_a8", "silu_and_mul_linear", "store_kv",
+           "triton_available"]
 
 
 @functools.cache
