@@ -95,6 +95,7 @@ class ApiError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage in every chunk; refused (`chat_call`)
 
 
 class SamplingRequest(BaseModel):
@@ -255,6 +256,10 @@ def chat_call(request: ChatRequest | CompletionRequest, state_header: str | None
         raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings per request, got {len(request.stop)}", "stop")
     if request.stream_options is not None and not request.stream:  # as OpenAI refuses it
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        raise ApiError(400, "stream_options.continuous_usage_stats (vLLM's usage in every chunk) is not supported; "
+                            "include_usage: true sends the usage in the last chunk",
+                       "stream_options.continuous_usage_stats")
     params = SamplingParams(
         max_tokens=max_tokens or max_tokens_limit,
         temperature=_given(request.temperature, 0.0),  # greedy unless asked: as in-process
@@ -322,10 +327,15 @@ _UNSUPPORTED = {
 
 def unsupported(request: ChatRequest) -> None:
     """OpenAI's fields that Hibana knows and cannot honour: accepted as null (clients that send
-    every field), refused with what to do otherwise."""
+    every field), refused with what to do otherwise. `modalities` may name text only (it asks for
+    audio output beside the `audio` options: served as text, that request was silently dropped)."""
     for name, what in _UNSUPPORTED.items():
         if getattr(request, name) is not None:
             raise ApiError(400, what, name)
+    other = [m for m in request.modalities or () if m != "text"]
+    if other:
+        raise ApiError(400, f"modalities: Hibana writes text only, and {other[0]!r:.40} was asked for; leave "
+                            "modalities out or give [\"text\"]", "modalities")
 
 
 def countable(request: ChatRequest, context: int) -> None:
