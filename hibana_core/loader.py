@@ -247,7 +247,7 @@ def _build(model_type: str, family: Any, hf_config: Any, device: torch.device, d
     """The family's module in `dtype` on `device`; `allocate=False` leaves its tensors on the meta
     device (tied), for `_allocate` once the packed layers have dropped their dense weights."""
     module, args = _built_on_meta(model_type, family, hf_config, ctx)
-    module = keep_float32(module.to(dtype=dtype))
+    module = keep_float32(module.to(dtype=dtype), dtype)
     if not allocate:
         if hasattr(module, "tie_weights"):
             module.tie_weights()
@@ -259,11 +259,17 @@ def _build(model_type: str, family: Any, hf_config: Any, device: torch.device, d
     return module, args
 
 
-def keep_float32(module: torch.nn.Module) -> torch.nn.Module:
+def keep_float32(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """`module` with the parameters its submodules name in `float32_parameters` back in float32
-    after a cast to the model's dtype (a router transformers keeps in float32: GLM-4.5's)."""
+    after a cast to the model's dtype (a router transformers keeps in float32: GLM-4.5's,
+    `_keep_in_fp32_modules_strict`), and, where that dtype is float16, those they name in
+    `float32_parameters_under_float16` too (transformers' `_keep_in_fp32_modules`, which it keeps
+    in float32 under float16 alone: gpt-oss's norms)."""
     for sub in module.modules():
-        for name in getattr(sub, "float32_parameters", ()):
+        names = tuple(getattr(sub, "float32_parameters", ()))
+        if dtype == torch.float16:
+            names += tuple(getattr(sub, "float32_parameters_under_float16", ()))
+        for name in names:
             param = getattr(sub, name)
             if param is not None and param.dtype != torch.float32:
                 param.data = param.data.to(torch.float32)
@@ -402,7 +408,7 @@ def planned_model(model: str, dtype: torch.dtype, max_model_len: int | None = No
     module, args = _built_on_meta(model_type, family, read_config(path, model_type), ForwardContext())
     positions = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
     size_rotary(module, rotary_positions(positions, args))  # (not a 1M-token config's ~1 GB of tables)
-    return model_bytes(keep_float32(module.to(dtype=dtype))) + rotary_bytes(module), args
+    return model_bytes(keep_float32(module.to(dtype=dtype), dtype)) + rotary_bytes(module), args
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -430,6 +430,8 @@ class CastLastRMSNorm(RMSNorm):
     fusable = False
     gemv_fold = False
     cast_last = True
+    float32_parameters_under_float16 = ("weight",)  # transformers' gpt-oss keeps its norms in float32
+    # under float16 (`_keep_in_fp32_modules`; under bfloat16 they take the model's dtype)
 
 
 class NoNorm(nn.Module):
