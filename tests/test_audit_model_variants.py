@@ -109,6 +109,8 @@ VARIANTS = {
     "qwen3_5-tied-mha": ("qwen3_5", dict(tie_word_embeddings=True, num_key_value_heads=4)),
     "qwen3_5_moe-top-all": ("qwen3_5_moe", dict(num_experts_per_tok=8)),
     "qwen3_next-top-1-unnormalised": ("qwen3_next", dict(num_experts_per_tok=1, norm_topk_prob=False)),
+    "llama-gelu-new": ("llama", dict(hidden_act="gelu_new")),  # transformers' NewGELU: the tanh gelu
+    "qwen2-gelu-fast": ("qwen2", dict(hidden_act="gelu_fast")),
 }
 
 
@@ -204,8 +206,8 @@ def test_histories_that_reach_a_small_context_stop_there_with_context_length_err
      UnsupportedModelError, "rope type 'proportional' is not supported; supported: default, dynamic"),
     ("qwen2", dict(drop=("rope_parameters",), rope_theta=1e6, rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
      UnsupportedModelError, "rope type 'mrope' is not supported"),
-    ("llama", dict(hidden_act="gelu_new"), UnsupportedModelError,
-     "activation 'gelu_new' is not supported; supported: silu, gelu_pytorch_tanh"),
+    ("llama", dict(hidden_act="gelu"), UnsupportedModelError,
+     "activation 'gelu' is not supported; supported: silu, gelu_pytorch_tanh"),
     ("llama", dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}), CheckpointError,
      "quant_method 'bitsandbytes', which Hibana cannot load; supported: GPTQ"),
     ("llama", dict(drop=("rope_parameters",), rope_theta=1e4, rope_scaling=dict(rope_type="llama3", factor=8.0)),

@@ -31,8 +31,10 @@ NO_ROPE = "none"
 """`Rope.none`'s type: a layer without rotary embeddings (never a config's)."""
 KERNEL_GLU = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # a config's hidden_act -> the kernels' glu name
 ACTIVATIONS = tuple(KERNEL_GLU)
-ACTIVATION_NAMES = {"swish": "silu"}
-"""Other names transformers' ACT2FN gives one of ACTIVATIONS (its "swish" is SiLU)."""
+ACTIVATION_NAMES = {"swish": "silu", "gelu_new": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh"}
+"""Other names transformers' ACT2FN gives one of ACTIVATIONS: its "swish" is SiLU, and "gelu_new"
+and "gelu_fast" are the tanh approximation of GELU written out (the same function as torch's
+`gelu(approximate="tanh")`, within float rounding)."""
 
 
 def activation_of(config: Any) -> str:
