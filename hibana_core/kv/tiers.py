@@ -485,7 +485,7 @@ class HostTier:
             safetensors.torch.save_file(tensors, str(path))
         except Exception as exc:  # noqa: BLE001 - a disk that takes no more: the copy is dropped, not the step
             logger.warning("cannot write a spill file in %s (%s)", self.spill_dir, exc)
-            path.unlink(missing_ok=True)
+            _remove(path)
             return False
         size = path.stat().st_size
         self.forget(seq)
@@ -510,7 +510,7 @@ class HostTier:
         self._bytes.pop(id(seq))
         self._spilled.pop(id(seq), None)
         if parked is not None and parked.path is not None:
-            parked.path.unlink(missing_ok=True)
+            _remove(parked.path)
 
     def _room(self, nbytes: int) -> bool:
         """Whether `nbytes` fit the host budget, after moving the oldest host copies to disk
@@ -629,7 +629,17 @@ def _gone(owner: "weakref.ref[HostTier]", key: int, path: Path | None = None) ->
         tier._bytes.pop(key)
         tier._spilled.pop(key, None)
     if path is not None:
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a spill file that may be gone, or whose folder may be gone or no folder any more (a
+    cleanup job, a disk turned read-only): the copy is dropped either way, and a file left behind
+    must not fail the step, the close or the request that dropped it."""
+    try:
         path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("cannot remove the spill file %s (%s); it is left behind", path, exc)
 
 
 def default_host_budget() -> int:
