@@ -170,7 +170,51 @@ class CompletionRequest(SamplingRequest):
     suffix: None = None
 
 
-R = TypeVar("R", bound=SamplingRequest)
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completions prompt (`prompt`), or a chat request's messages and tools
+    as the chat endpoint renders them (`messages`): the tokens the model would be given."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None  # vLLM's own clients may leave it out
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Literal[True] | None = None  # the chat endpoint's prompt always ends with it
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text, control tokens spelled out."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize_call(request: TokenizeRequest) -> tuple[ChatRequest | None, bool]:
+    """What a /tokenize request asks for: the chat request its messages mean (None for a prompt),
+    and whether a prompt takes the tokenizer's BOS in front (as /v1/completions gives it)."""
+    if (request.prompt is None) == (request.messages is None):
+        raise ApiError(400, "give either prompt (a completions prompt) or messages (a chat request's)",
+                       "prompt" if request.prompt is None else "messages")
+    if request.prompt is not None:
+        chat_fields = [f for f in ("tools", "reasoning_effort", "chat_template_kwargs", "add_generation_prompt")
+                       if getattr(request, f) is not None]
+        if chat_fields:
+            raise ApiError(400, f"{chat_fields[0]} goes with messages, not with a prompt", chat_fields[0])
+        return None, request.add_special_tokens is not False
+    if request.add_special_tokens:  # the chat template writes the BOS where the model takes one
+        raise ApiError(400, "add_special_tokens: the chat template writes the special tokens of a chat request; "
+                            "leave it out (or false) with messages", "add_special_tokens")
+    fields = {"model": request.model or "", "messages": request.messages, "tools": request.tools,
+              "reasoning_effort": request.reasoning_effort, "chat_template_kwargs": request.chat_template_kwargs}
+    return parse_request({k: v for k, v in fields.items() if v is not None}, ChatRequest), False
+
+
+R = TypeVar("R", bound=BaseModel)
 
 
 def parse_request(body: Any, kind: "type[R]" = ChatRequest) -> "R":

@@ -64,11 +64,13 @@ from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
                                 HibanaError, InvalidTokenError, QueueTimeoutError, StateBusyError)
 from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
+from hibana_core.prompt import leading_specials
 from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
-from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest, Reply,
-                                       TextReply, chat_call, choice_calls, context_exceeded, countable, json_text,
-                                       named_state, parse_request, prompts_of, served_by_header, system_fingerprint)
+from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest,
+                                       DetokenizeRequest, Reply, TextReply, TokenizeRequest, chat_call, choice_calls,
+                                       context_exceeded, countable, json_text, named_state, parse_request, prompts_of,
+                                       served_by_header, system_fingerprint, tokenize_call)
 from hibana_plugins.openai_responses import ResponsesReply, ResponsesRequest, in_responses_terms
 from hibana_plugins.anthropic_messages import (CountTokensRequest, MessagesReply, MessagesRequest, error_body,
                                                in_messages_terms)
@@ -84,7 +86,7 @@ log = logging.getLogger("hibana.server")
 T = TypeVar("T")
 API_KEY_ENV = "HIBANA_API_KEY"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-             "/v1/models", "/v1/hibana/states", "/health", "/metrics")
+             "/v1/models", "/v1/hibana/states", "/tokenize", "/detokenize", "/health", "/metrics")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 """Anthropic's endpoints: their errors come in Anthropic's shape (`anthropic_messages.error_body`)."""
 
@@ -392,12 +394,22 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                                 "lists those that are", None, "state_not_found")
         return {"id": state_id, "object": "hibana.state", "deleted": True}
 
-    async def checked(request: Request, kind: type) -> Any:
+    async def checked(request: Request, kind: type, model_optional: bool = False) -> Any:
         body = await read_body(request, config.max_body_bytes)
         parsed = await off_loop(len(body), lambda: parse_request(decode_json(body), kind))
-        if parsed.model != config.model_name:
+        if parsed.model != config.model_name and not (model_optional and parsed.model is None):
             raise unknown_model(parsed.model)
         return parsed
+
+    lead = leading_specials(engine.tokenizer)
+
+    def with_lead(prompt: "str | TokenIds") -> "str | TokenIds":
+        """A completions prompt given as text, with the tokenizer's BOS in front where it adds one and
+        the text does not already start with it (as vLLM's and llama.cpp's completions do); token ids
+        are the prompt as given."""
+        if not lead or isinstance(prompt, TokenIds) or prompt.startswith(lead):
+            return prompt
+        return lead + prompt
 
     def chat_prompt(parsed: ChatRequest, state: str | None) -> tuple[ChatCall, str]:
         """A chat request's call and its rendered prompt (both chat endpoints')."""
@@ -481,13 +493,47 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         metrics.requests.labels(request.url.path, "200").inc()
         return {"input_tokens": tokens}
 
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(request: Request) -> dict:
+        """vLLM's: the tokens a completions prompt or a chat request's messages give the model."""
+        parsed = await checked(request, TokenizeRequest, model_optional=True)
+
+        def tokens() -> list[int]:
+            chat_request, lead_in = tokenize_call(parsed)
+            if chat_request is None:
+                return text_chat.prompt_tokens(with_lead(parsed.prompt) if lead_in else parsed.prompt)
+            countable(chat_request, engine.max_model_len)
+            return chat.prompt_tokens(chat_prompt(chat_request, None)[1])
+        try:
+            ids = await asyncio.to_thread(tokens)
+        except HibanaError as exc:
+            raise api_error(exc, "prompt" if parsed.prompt is not None else "messages") from None
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if parsed.return_token_strs else None
+        metrics.requests.labels(request.url.path, "200").inc()
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(request: Request) -> Response:
+        """vLLM's: token ids as text, control tokens spelled out."""
+        parsed = await checked(request, DetokenizeRequest, model_optional=True)
+        bad = [t for t in parsed.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens: ids {bad[:5]} lie outside the vocabulary [0, {engine.vocab_size}); "
+                                "give this model's token ids", "tokens")
+        try:
+            text = await asyncio.to_thread(engine.tokenizer.decode, parsed.tokens)
+        except Exception as exc:  # noqa: BLE001 - ids of the model's vocabulary its tokenizer lacks
+            raise ApiError(400, f"tokens: this model's tokenizer cannot decode them ({exc!s:.200})", "tokens") from None
+        metrics.requests.labels(request.url.path, "200").inc()
+        return JsonReply({"prompt": text})
+
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
         received = time.monotonic()
         parsed = await checked(request, CompletionRequest)
         state = named_state(request.headers.get(STATE_HEADER))
         try:  # off the event loop, as a chat request's: linear in the body (2.5M stop_token_ids held every stream 4 s)
-            prompts, call = await asyncio.to_thread(lambda: (prompts_of(parsed, state),
+            prompts, call = await asyncio.to_thread(lambda: ([with_lead(p) for p in prompts_of(parsed, state)],
                                                              chat_call(parsed, state, max_tokens_limit)))
             choices = choice_calls(call)
         except HibanaError as exc:
