@@ -399,14 +399,15 @@ class Thinking:
         self._spoken = False   # whether any thinking was streamed (whitespace before it is dropped)
 
     def feed(self, delta: str) -> tuple[str, str]:
-        """(thinking, answer) pieces of `delta`."""
-        text, self.held = self.held + delta, ""
+        """(thinking, answer) pieces of `delta`. A `GeneratedText`'s control spans go with the answer
+        (the tool parser reads a format's control-token markers there only)."""
+        text, self.held = _joined(self.held, delta), ""
         thinking = answer = ""
         if self.mode == "start":
-            head = text.lstrip()
+            head = _cut(text, len(text) - len(text.lstrip()))
             opening = self.markers.open
             if head.startswith(opening):
-                text, self.mode = head[len(opening):], "thinking"
+                text, self.mode = _cut(head, len(opening)), "thinking"
             elif opening.startswith(head):  # undecided: whitespace, or part of the tag
                 self.held = text
                 return "", ""
@@ -415,13 +416,14 @@ class Thinking:
         if self.mode == "thinking":
             closing = self.markers.close
             if closing in text:
-                thinking, text = text.split(closing, 1)
+                at = text.index(closing)
+                thinking, text = _cut(text, 0, at), _cut(text, at + len(closing))
                 self.mode = "after"
             else:
                 keep = _partial_suffix(text, closing)
-                thinking, self.held, text = text[:len(text) - keep], text[len(text) - keep:], ""
+                thinking, self.held, text = _cut(text, 0, len(text) - keep), _cut(text, len(text) - keep), ""
         if self.mode == "after":  # the blank lines between the thinking and the answer
-            text = text.lstrip()
+            text = _cut(text, len(text) - len(text.lstrip()))
             if text:
                 self.mode = "answer"
         if self.mode == "answer":
@@ -451,6 +453,30 @@ class Thinking:
     @property
     def text(self) -> str:
         return self.reasoning.strip()
+
+
+def _joined(head: str, tail: str) -> str:
+    """`head + tail`, a `GeneratedText` with both one's control spans where both are one (or one is
+    empty): `+` makes a plain `str`, which a parser reads as the tokenizer would encode it, so a
+    control token's text the model spelled with ordinary tokens (`[TOOL_CALLS]` quoted from a tool
+    result) would read as the marker. A plain `str` beside a `GeneratedText` stays plain."""
+    if not head:
+        return tail
+    if not tail:
+        return head
+    if isinstance(head, GeneratedText) and isinstance(tail, GeneratedText):
+        return GeneratedText(str(head) + str(tail), (*head.control_spans,
+                                                     *((a + len(head), b + len(head)) for a, b in tail.control_spans)))
+    return str(head) + str(tail)
+
+
+def _cut(text: str, start: int, end: int | None = None) -> str:
+    """`text[start:end]`, a `GeneratedText`'s control spans within it moved to match."""
+    if not isinstance(text, GeneratedText):
+        return text[start:end]
+    end = len(text) if end is None else end
+    return GeneratedText(str(text)[start:end], tuple((a - start, b - start) for a, b in text.control_spans
+                                                     if start <= a and b <= end))
 
 
 def _partial_suffix(text: str, tag: str) -> int:
