@@ -549,8 +549,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         call = servings[0].call
         if len(servings) > 1 and not call.stream:
             return await serve_together(request, received, servings, reply)
-        streams = [turn.arun_batches(serving.open) for serving in servings]
-        firsts = await unless_gone(request, first_deltas(streams, reply))
+        streams, firsts = await started(request, servings, reply)
         metrics.ttft.observe(time.monotonic() - received)
         headers = served_by_header([serving.state_id for serving in servings])
         if call.stream:
@@ -588,6 +587,23 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         log-probabilities it grows as tokens x top_logprobs x n (8 choices of 1,000 tokens, 20 each:
         11 MB, 4.5 s of CPU), and on the event loop every other client's stream stood still meanwhile."""
         return await asyncio.to_thread(lambda: JsonReply(reply.completion(*results), headers=headers))
+
+    async def started(request: Request, servings: "list[Serving]",
+                      reply: Reply) -> "tuple[list[AsyncIterator[list[ChatDelta]]], list[list[ChatDelta]]]":
+        """The turns begun and their first deltas. A state the request names (`X-Hibana-State`) that
+        another call holds is waited for, up to `BUSY_WAIT` seconds, before the 409: a client that
+        closes a stream and at once continues the conversation finds the state let go a moment
+        later (the cancelled turn ends at the engine's next step); calls that overlap for longer
+        still get the 409."""
+        deadline = time.monotonic() + BUSY_WAIT
+        while True:
+            streams = [turn.arun_batches(serving.open) for serving in servings]
+            try:
+                return streams, await unless_gone(request, first_deltas(streams, reply))
+            except ApiError as exc:
+                if exc.code != "state_busy" or time.monotonic() + BUSY_POLL > deadline:
+                    raise
+            await asyncio.sleep(BUSY_POLL)
 
     async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
         """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the
@@ -856,6 +872,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+BUSY_WAIT = 2.0
+"""Seconds a request naming a busy state waits for it before its 409 (`started`)."""
+BUSY_POLL = 0.05
 OFF_LOOP_BYTES = 1 << 16
 """A body larger than this is decoded and checked in a worker thread: 8 MB of JSON took seconds
 to decode, walk for its depth and validate, and on the event loop every other client's stream
