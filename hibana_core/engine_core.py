@@ -304,7 +304,10 @@ class EngineCore:
         """The outputs of a step read back; the speculation's figures. `filling`: grammar masks
         are being filled meanwhile, which own the matchers until they end, also when this fails."""
         try:
-            self.outputs.process(updated)
+            for request, exc in self.outputs.process(updated):  # its tokens stay in its state's history
+                request.error = exc if isinstance(exc, HibanaError) else HibanaError(
+                    f"delivering the generated tokens failed: {exc!r}")
+                self.scheduler.finish(request, "error")
             if self.speculation is not None:
                 self.speculation.updated(step.scheduled.chunks)
                 self.speculation.observe_step(step.scheduled.num_tokens, step.scheduled.verifies,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hibana_core.detokenizer import Detokenizer
-from hibana_core.errors import ConfigError
+from hibana_core.errors import ConfigError, HibanaError
 from hibana_core.prompt import control_strings
 from hibana_core.scheduler import Request, RequestOutput
 from hibana_core.state import Completion, RequestStats, StreamEvent
@@ -278,33 +278,52 @@ class OutputProcessor:
         self._deliveries[request.id] = delivery
         return delivery.stream
 
-    def process(self, outputs: list[RequestOutput]) -> None:
-        """One event per accepted token; the text decoded so far goes out with the first."""
+    def process(self, outputs: list[RequestOutput]) -> list[tuple[Request, Exception]]:
+        """One event per accepted token; the text decoded so far goes out with the first. Returns
+        the requests whose delivery failed, with why (each fails alone: `EngineCore._deliver`)."""
         now = time.perf_counter()
+        failed = []
         for out in outputs:
-            delivery = self._deliveries.get(out.request.id)
-            if delivery is None:
-                continue
-            self.counters.generated += len(out.new_token_ids)
-            logprobs = out.new_logprobs or [None] * len(out.new_token_ids)
-            lazy = delivery.stream.detokenizer is not None
-            for token, logprob in zip(out.new_token_ids, logprobs):
-                if delivery.first_token is None:
-                    delivery.first_token = now - delivery.started
-                if lazy:
-                    event: object = _Token(token, logprob, delivery.delivered < delivery.text_tokens)
-                    delivery.delivered += 1
-                else:
-                    text = delivery.detokenizer.take_delta() if delivery.detokenizer else GeneratedText("")
-                    event = StreamEvent(token, str(text), logprob=logprob, control_spans=text.control_spans)
-                if not delivery.stream.put(event):
-                    out.request.cancelled = True  # nobody listens: dropped at the next schedule
+            try:
+                self._process(out, now)
+            except Exception as exc:  # noqa: BLE001 - a tokenizer's or a stream's fault, this request's alone
+                failed.append((out.request, exc))
+        return failed
+
+    def _process(self, out: RequestOutput, now: float) -> None:
+        delivery = self._deliveries.get(out.request.id)
+        if delivery is None:
+            return
+        self.counters.generated += len(out.new_token_ids)
+        logprobs = out.new_logprobs or [None] * len(out.new_token_ids)
+        lazy = delivery.stream.detokenizer is not None
+        for token, logprob in zip(out.new_token_ids, logprobs):
+            if delivery.first_token is None:
+                delivery.first_token = now - delivery.started
+            if lazy:
+                event: object = _Token(token, logprob, delivery.delivered < delivery.text_tokens)
+                delivery.delivered += 1
+            else:
+                text = delivery.detokenizer.take_delta() if delivery.detokenizer else GeneratedText("")
+                event = StreamEvent(token, str(text), logprob=logprob, control_spans=text.control_spans)
+            if not delivery.stream.put(event):
+                out.request.cancelled = True  # nobody listens: dropped at the next schedule
 
     def finish(self, request: Request) -> None:
-        """The final event of a finished request: its completion and the text held back."""
+        """The final event of a finished request: its completion and the text held back. Where that
+        cannot be made, the request fails (its reader waits for a final event, whatever happened)."""
         delivery = self._deliveries.pop(request.id, None)
         if delivery is None:
             return
+        try:
+            self._finish(request, delivery)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer's or a stream's fault, this request's alone
+            if request.error is None:
+                request.error = exc if isinstance(exc, HibanaError) else HibanaError(
+                    f"delivering the end of the generated text failed: {exc!r}")
+            delivery.stream.put(StreamEvent(None, "", "error"))
+
+    def _finish(self, request: Request, delivery: _Delivery) -> None:
         self.counters.prompt_computed += request.computed
         self.counters.prompt_reused += request.reused
         detok = delivery.detokenizer

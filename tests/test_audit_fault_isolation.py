@@ -117,3 +117,38 @@ def test_a_history_the_tokenizer_cannot_decode_is_refused_with_a_hibana_error(ti
     assert handle.tokens == history
     monkeypatch.undo()
     assert handle.generate(greedy()).token_ids == want
+
+
+def test_a_delivery_that_fails_fails_its_request_alone(tiny_checkpoints, make_engine, join_all, monkeypatch):
+    """Handing one request's tokens to its stream raised (a tokenizer's, a stream's fault): the
+    error left the step, and every request in the engine failed ("engine step failed"). Now that
+    request fails alone with a HibanaError, keeping the tokens it generated; the others get their
+    solo output and the engine serves the next request."""
+    from hibana_core.errors import HibanaError
+
+    engine = make_engine(tiny_checkpoints["qwen3"], speculation="off")
+    histories = {name: random_tokens(random.Random(seed), 20) for seed, name in enumerate(("a", "culprit", "c"))}
+    solo = {name: engine.open_state("solo-" + name).generate(greedy(), prompt=h).token_ids
+            for name, h in histories.items()}
+    made, take = detokenizer.Detokenizer.__init__, detokenizer.Detokenizer.take_delta
+
+    def init(self, tokenizer, history, *args, **kwargs):
+        made(self, tokenizer, history, *args, **kwargs)
+        self.culprit = list(history)[:20] == histories["culprit"]
+
+    def take_delta(self, final=False):  # the culprit's text (stop strings: decoded on the engine thread)
+        if getattr(self, "culprit", False) and len(self.text) > 3:
+            raise RuntimeError("the stream's queue is gone")
+        return take(self, final)
+
+    monkeypatch.setattr(detokenizer.Detokenizer, "__init__", init)
+    monkeypatch.setattr(detokenizer.Detokenizer, "take_delta", take_delta)
+    got = run_agents(engine, {"a": (histories["a"], greedy(), stream),
+                              "culprit": (histories["culprit"], greedy(stop=["\x00\x01"]), stream),
+                              "c": (histories["c"], greedy(), generate)}, join_all)
+    assert got["a"] == solo["a"] and got["c"] == solo["c"]
+    error = got["culprit"]
+    assert isinstance(error, HibanaError) and "the stream's queue is gone" in str(error), repr(error)
+    kept = engine.open_state("culprit").tokens
+    assert kept[:20] == histories["culprit"] and kept[20:] == solo["culprit"][:len(kept) - 20]
+    assert engine.open_state("later").generate(greedy(), prompt=histories["a"]).token_ids == solo["a"]
