@@ -54,16 +54,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hibana_bench.serve_load import MULTIPLY, WEATHER  # the load test's tools
+
 # --- the conversations ---------------------------------------------------------------------------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Name of the city."}},
-                   "required": ["city"]}}}
-MULTIPLY = {"type": "function", "function": {
-    "name": "multiply", "description": "Multiply two numbers and return the product.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                   "required": ["a", "b"]}}}
 TOOLS = [WEATHER, MULTIPLY]
 CITIES = ("Oslo", "Paris", "Rome", "Lima", "Cairo", "Quito", "Tokyo", "Nairobi", "Madrid", "Hanoi", "Bern", "Accra")
 SYSTEM = "You are a helpful agent. Use the tools when they help."
@@ -415,7 +409,7 @@ class Client(threading.Thread):
         else:
             reply = self.client.chat.completions.create(model=self.soak.args.model, messages=messages, tools=TOOLS,
                                                         max_tokens=48, stop=stops)
-            content, _finish, usage = reply.choices[0].message.content or "", reply.choices[0].finish_reason, reply.usage
+            content, usage = reply.choices[0].message.content or "", reply.usage
         self.check_usage(usage, stream)
         if any(s in (content or "") for s in stops):
             raise Failure("stop_leaked", f"stop {stops} in the reply {content!r}")
