@@ -57,7 +57,7 @@ from hibana_core.chat import (Chat, ChatDelta, ChatResult as TurnResult, Convers
 from hibana_core.config import SamplingParams
 from hibana_core.errors import ConfigError, MissingDependencyError
 from hibana_core.messages import response_format_schema, unheld
-from hibana_plugins.options import (SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
+from hibana_plugins.options import (ALIASES, SAMPLING, EngineChoice, LeaseHolder, check_engine, check_engine_kwargs,
                                     check_given_engine, check_known, check_state_id, check_switches, choose_engine,
                                     lease_holder, resolve_aliases, sampling_params, sharing, unset_nones)
 
@@ -806,6 +806,8 @@ class ChatHibana(BaseChatModel):
                   "reasoning_effort": self.reasoning_effort, "reasoning_history": self.reasoning_history,
                   "guided_tool_arguments": self.guided_tool_arguments, "state_id": self.state_id,
                   "tool_parser": self.tool_parser}
+        if self.output_version is not None:  # the cache stores a reply converted to it (v1: content blocks)
+            params["output_version"] = self.output_version
         if self.given_engine is not None and self.given_engine.serves(self.model, self.engine_kwargs):
             params["engine"] = repr(self.given_engine.engine.config)  # what another engine of `model` may differ in
         return params
@@ -815,9 +817,12 @@ class ChatHibana(BaseChatModel):
         return super()._get_invocation_params(stop=self.stop if stop is None else stop, **kwargs)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        params = {"ls_provider": PROVIDER, "ls_model_name": kwargs.get("model") or self.model,
-                  "ls_model_type": "chat", "ls_temperature": kwargs.get("temperature", self.temperature),
-                  "ls_max_tokens": kwargs.get("max_tokens", self.max_tokens)}
+        """LangSmith's params: the values the call runs with, as `_params` reads them (the peers'
+        aliases, `num_predict`, as their own names; None, the object's value)."""
+        call = {ALIASES.get(name, name): value for name, value in kwargs.items() if value is not None}
+        params = {"ls_provider": PROVIDER, "ls_model_name": call.get("model") or self.model,
+                  "ls_model_type": "chat", "ls_temperature": call.get("temperature", self.temperature),
+                  "ls_max_tokens": call.get("max_tokens", self.max_tokens)}
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
