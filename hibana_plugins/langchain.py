@@ -507,7 +507,15 @@ class _Call:
         return metadata
 
     def chat_result(self, result: TurnResult) -> ChatResult:
-        return ChatResult(generations=[ChatGeneration(message=self.message(result))])
+        """The reply, and `llm_output` as ChatOpenAI's (`token_usage` in OpenAI's names, `model_name`),
+        which callbacks written for it read in `on_llm_end` (the usage is on the message too)."""
+        usage = result.usage
+        token_usage = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                       "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                       "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+                       "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
+        return ChatResult(generations=[ChatGeneration(message=self.message(result))],
+                          llm_output={"token_usage": token_usage, "model_name": self.model_name})
 
     def message(self, result: TurnResult) -> AIMessage:
         # the text as streamed: a reply without tools as generated, a malformed call as written
@@ -792,6 +800,19 @@ class ChatHibana(BaseChatModel):
         state = super().__getstate__()
         private = {**(state["__pydantic_private__"] or {}), "_engine": None, "_chat": None}
         return {**state, "__dict__": {**state["__dict__"], "given_engine": None}, "__pydantic_private__": private}
+
+    def _combine_llm_outputs(self, llm_outputs: list[dict | None]) -> dict:
+        """`generate`'s `llm_output` over several prompts: their token usage summed, as ChatOpenAI's."""
+        def added(total: dict, more: dict) -> dict:
+            for key, value in more.items():
+                total[key] = added(dict(total.get(key) or {}), value) if isinstance(value, dict) \
+                    else total.get(key, 0) + value
+            return total
+        usage: dict = {}
+        for output in llm_outputs:
+            if output and output.get("token_usage"):
+                usage = added(usage, output["token_usage"])
+        return {"token_usage": usage, "model_name": self.model}
 
     @property
     def _llm_type(self) -> str:

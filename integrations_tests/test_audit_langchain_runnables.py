@@ -327,3 +327,26 @@ def test_chains_with_langchains_parsers(llm, greeting):
     forced = llm.bind_tools([GetWeather], tool_choice="any").bind(max_tokens=40)
     tools = forced | PydanticToolsParser(tools=[GetWeather])
     assert tools.invoke("Weather in Paris?") == [GetWeather(city="Paris")]
+
+
+def test_llm_output_carries_the_token_usage_as_chatopenais(llm):
+    """`on_llm_end`'s `LLMResult.llm_output` and `generate`'s: `token_usage` in OpenAI's names and
+    `model_name`, summed over a batch's prompts (callbacks written for ChatOpenAI read them; it was None)."""
+    class Ends(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.outputs: list = []
+
+        def on_llm_end(self, response, **kwargs) -> None:
+            self.outputs.append(response.llm_output)
+
+    ends = Ends()
+    reply = llm.invoke("Say hello.", config={"callbacks": [ends]})
+    usage = reply.usage_metadata
+    assert ends.outputs[-1]["model_name"] == "demo"
+    assert {k: ends.outputs[-1]["token_usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} \
+        == {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],
+            "total_tokens": usage["total_tokens"]}
+    both = llm.generate([[HumanMessage("Say hello.")], [HumanMessage("Weather in Oslo?")]])
+    alone = [llm.invoke([HumanMessage(q)]).usage_metadata for q in ("Say hello.", "Weather in Oslo?")]
+    assert both.llm_output["token_usage"]["completion_tokens"] == sum(u["output_tokens"] for u in alone)
+    assert both.llm_output["token_usage"]["prompt_tokens"] == sum(u["input_tokens"] for u in alone)
