@@ -67,8 +67,10 @@ it, `_check_structured`): the answer is read into the class at its end, streamed
 that does not read raises ValueError naming the fields (ToolSchemaError where the grammar could
 hold the class's schema only in part, naming what it could not hold): LlamaIndex's streamed
 programs ended on an unchecked partial object, which the class's own validators had refused."""
-PROMPT_FORMATTERS = ("messages_to_prompt", "completion_to_prompt")
-"""LlamaIndex's own prompt formatting options, which a chat-template model does not use."""
+PROMPT_FORMATTERS = ("messages_to_prompt", "completion_to_prompt", "query_wrapper_prompt")
+"""LlamaIndex's own prompt formatting options, which a chat-template model does not use (LlamaIndex's
+LLM base accepts them all, and applies none of them to a chat model's calls: set, they were silently
+ignored)."""
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
@@ -341,7 +343,15 @@ def llm_class() -> type:
                                      "`pip install 'hibana[llamaindex]'`") from exc
 
     # LlamaIndex's defaults, which its unpickling passes back to __init__: not the user's
-    defaults = dict(zip(PROMPT_FORMATTERS, (generic_messages_to_prompt, default_completion_to_prompt)))
+    defaults = dict(zip(PROMPT_FORMATTERS, (generic_messages_to_prompt, default_completion_to_prompt, None)))
+
+    def refuse_formatter(name: str, value: Any) -> None:
+        """A ConfigError for a prompt formatter of one's own (`PROMPT_FORMATTERS`): the chat
+        template renders every prompt, so it would go unused."""
+        if value is not None and value is not defaults[name]:
+            raise ConfigError(f"HibanaLLM does not use {name}: it renders every prompt with the model's chat "
+                              "template (tools included); drop it, or pass your own formatted text to "
+                              "complete(prompt, formatted=True)")
 
     class HibanaLLM(FunctionCallingLLM):
         """A LlamaIndex LLM on a Hibana engine. `HibanaLLM(model="demo")` shares one engine per
@@ -417,12 +427,8 @@ def llm_class() -> type:
                                            "max_model_len": kwargs.pop("max_model_len")}
             check_known(kwargs, type(self).model_fields, "HibanaLLM")
             for name in PROMPT_FORMATTERS:
-                if kwargs.get(name) is defaults[name]:
-                    del kwargs[name]
-                elif kwargs.get(name) is not None:
-                    raise ConfigError(f"HibanaLLM does not use {name}: it renders every prompt with the model's "
-                                      "chat template (tools included); drop it, or pass your own formatted text "
-                                      "to complete(prompt, formatted=True)")
+                refuse_formatter(name, kwargs.get(name))
+                kwargs.pop(name, None)  # (None or LlamaIndex's default: the base class sets its own)
             if isinstance(kwargs.get("stop"), str):  # HibanaLLM(stop="...") as chat(..., stop="...")
                 kwargs["stop"] = [kwargs["stop"]]
             sampling_params(kwargs, "HibanaLLM")
@@ -447,6 +453,12 @@ def llm_class() -> type:
         @classmethod
         def class_name(cls) -> str:
             return "HibanaLLM"
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            # one assigned after construction (llm.messages_to_prompt = fn) went unused as well
+            if name in PROMPT_FORMATTERS:
+                refuse_formatter(name, value)
+            super().__setattr__(name, value)
 
         @property
         def engine(self) -> Any:
