@@ -88,6 +88,16 @@ class RequestStream:
         return self._decoded(await self._queue.get())
 
     def _decoded(self, item: object) -> object:
+        """An event as the caller reads it, decoded here where the stream decodes (no stop strings);
+        a tokenizer that fails on it fails the request with a HibanaError, as on the engine's thread."""
+        try:
+            return self._decode(item)
+        except HibanaError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the tokenizer's
+            raise HibanaError(f"decoding the generated text failed: {exc!r}") from exc
+
+    def _decode(self, item: object) -> object:
         detok = self.detokenizer
         if isinstance(item, _Token):
             if item.text:

@@ -281,22 +281,24 @@ def control_strings(tokenizer: Any) -> list[str]:
     return sorted(t for t in special if t)
 
 
-def leading_specials(tokenizer: Any) -> str:
-    """The text of the special tokens a tokenizer writes before any text it encodes with its
-    defaults: its BOS where it adds one (Llama's `<|begin_of_text|>`, Gemma's `<bos>`, Mistral's
-    `<s>`), "" where it adds none (Qwen's). What vLLM's and llama.cpp's completions put in front of
-    a prompt given as text (`add_special_tokens`), which a model trained with it needs."""
+def leading_specials(tokenizer: Any) -> tuple[int, ...]:
+    """The special tokens a tokenizer writes before any text it encodes with its defaults: its BOS
+    where it adds one (Llama's `<|begin_of_text|>`, Gemma's `<bos>`, Mistral's `<s>`), none where it
+    adds none (Qwen's). What vLLM's and llama.cpp's completions put in front of a prompt given as
+    text (`add_special_tokens`), which a model trained with it needs. Ids, to go before the text's
+    own tokens: written as text in front of it, a SentencePiece tokenizer would encode the first
+    word without its leading "▁"."""
     if tokenizer is None:
-        return ""
+        return ()
     probe = "a"
     try:
         plain = list(tokenizer.encode(probe, add_special_tokens=False))
         full = list(tokenizer.encode(probe, add_special_tokens=True))
     except Exception:  # noqa: BLE001 - a tokenizer without the switch adds nothing that Hibana knows of
-        return ""
-    at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
-    special = set(getattr(tokenizer, "all_special_ids", ()))
+        return ()
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+    if not plain or not at:
+        return ()
     lead = full[:at]
-    if not plain or not lead or not all(t in special for t in lead):
-        return ""
-    return "".join(tokenizer.convert_ids_to_tokens(lead))
+    control = set(control_strings(tokenizer))
+    return tuple(lead) if all(text in control for text in tokenizer.convert_ids_to_tokens(lead)) else ()

@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
 from hibana_core import turn
 from hibana_core.chat import (Chat, ChatDelta, ChatResult, ConversationError, ToolChoiceError, ToolSchemaError,
@@ -459,6 +459,12 @@ def llm_class() -> type:
             if name in PROMPT_FORMATTERS:
                 refuse_formatter(name, value)
             super().__setattr__(name, value)
+
+        def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> "HibanaLLM":
+            for name in PROMPT_FORMATTERS:  # (pydantic's copy sets fields without __setattr__)
+                if update and name in update:
+                    refuse_formatter(name, update[name])
+            return super().model_copy(update=update, deep=deep)
 
         @property
         def engine(self) -> Any:

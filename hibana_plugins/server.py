@@ -405,11 +405,14 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     def with_lead(prompt: "str | TokenIds") -> "str | TokenIds":
         """A completions prompt given as text, with the tokenizer's BOS in front where it adds one and
-        the text does not already start with it (as vLLM's and llama.cpp's completions do); token ids
+        the text does not already start with it (as vLLM's and llama.cpp's completions do): then as
+        token ids, the BOS's before the text's own (the text encoded alone, as the tokenizer would:
+        after a BOS written as text, a SentencePiece tokenizer loses the first word's "▁"). Token ids
         are the prompt as given."""
-        if not lead or isinstance(prompt, TokenIds) or prompt.startswith(lead):
+        if not lead or isinstance(prompt, TokenIds):
             return prompt
-        return lead + prompt
+        ids = text_chat.prompt_tokens(prompt)
+        return TokenIds(ids if tuple(ids[:len(lead)]) == lead else [*lead, *ids])
 
     def chat_prompt(parsed: ChatRequest, state: str | None) -> tuple[ChatCall, str]:
         """A chat request's call and its rendered prompt (both chat endpoints')."""
@@ -536,8 +539,8 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             prompts, call = await asyncio.to_thread(lambda: ([with_lead(p) for p in prompts_of(parsed, state)],
                                                              chat_call(parsed, state, max_tokens_limit)))
             choices = choice_calls(call)
-        except HibanaError as exc:
-            raise api_error(exc) from None
+        except HibanaError as exc:  # (a text prompt is tokenized here where the tokenizer writes a BOS)
+            raise api_error(exc, "prompt") from None
         servings = [Serving(text_chat, prompt, choice, config.request_timeout, named)
                     for prompt in prompts for choice in choices]
         return await serve(request, received, servings, TextReply(config.model_name, call.n, text_chat, fingerprint))
@@ -603,7 +606,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             except ApiError as exc:
                 if exc.code != "state_busy" or time.monotonic() + BUSY_POLL > deadline:
                     raise
-            await asyncio.sleep(BUSY_POLL)
+            await unless_gone(request, asyncio.sleep(BUSY_POLL))
 
     async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
         """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the
@@ -875,6 +878,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 BUSY_WAIT = 2.0
 """Seconds a request naming a busy state waits for it before its 409 (`started`)."""
 BUSY_POLL = 0.05
+"""Seconds between its looks at the state (each tokenizes the prompt again)."""
 OFF_LOOP_BYTES = 1 << 16
 """A body larger than this is decoded and checked in a worker thread: 8 MB of JSON took seconds
 to decode, walk for its depth and validate, and on the event loop every other client's stream

@@ -262,6 +262,9 @@ def test_prompt_formatters_of_ones_own_are_refused_however_set(engine):
                         ("query_wrapper_prompt", wrapper)):
         with pytest.raises(ConfigError, match=f"{name}.*chat template"):
             setattr(llm, name, value)
+        with pytest.raises(ConfigError, match=f"{name}.*chat template"):
+            llm.model_copy(update={name: value})  # (pydantic's copy sets fields without __setattr__)
+    assert llm.model_copy(update={"max_tokens": 5}).max_tokens == 5
     llm.messages_to_prompt = llm.messages_to_prompt  # LlamaIndex's own default
     llm.query_wrapper_prompt = None
     llm.system_prompt = "Be brief."  # (LlamaIndex's other fields are assigned as before)

@@ -108,7 +108,7 @@ def bos_model(tmp_path_factory):
     tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     tokenizer.save_pretrained(path)
     with Engine.from_pretrained(str(path), device="cpu") as engine, serving(engine, ServerConfig("tiny")) as url:
-        assert leading_specials(engine.tokenizer) == "<s>"
+        assert leading_specials(engine.tokenizer) == (bos,)
         yield engine, url, bos
 
 
@@ -130,3 +130,32 @@ def test_a_text_completion_prompt_takes_the_tokenizers_bos_once(bos_model):
     assert call(url, "/tokenize", {"prompt": text, "add_special_tokens": True})[1]["tokens"] == [bos] + ids
     assert call(url, "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"] == ids
     assert call(url, "/tokenize", {"prompt": "<s>" + text})[1]["tokens"] == [bos] + ids
+
+
+def test_a_sentencepiece_prompts_first_word_keeps_its_mark_after_the_bos(tmp_path):
+    """Llama 2's, Mistral's and Phi-3's tokenizers (Metaspace, prepend "first") put "▁" before the
+    text's first word only where the text starts the input: the BOS goes in as a token, not as text
+    in front of it, so a completions prompt is tokenized as the tokenizer's own encode (vLLM's)."""
+    from tokenizers import processors
+
+    from test_audit_text_io import sentencepiece_tokenizer
+
+    tokenizer = sentencepiece_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                        special_tokens=[("<s>", bos)])
+    path = make_tiny_checkpoint("llama", tmp_path / "sp", vocab_size=len(tokenizer))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    tokenizer.save_pretrained(path)
+    with Engine.from_pretrained(str(path), device="cpu") as engine, serving(engine, ServerConfig("sp")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert engine.tokenizer.convert_ids_to_tokens(engine.tokenizer.encode("the cat"))[:2] == ["<s>", "▁the"]
+        for text in ("the cat", "\nthe", "<s>the cat"):
+            expected = engine.tokenizer.encode(text, add_special_tokens="<s>" not in text)
+            assert call(url, "/tokenize", {"prompt": text})[1]["tokens"] == expected, text
+            assert expected[0] == bos
+            reply = client.completions.create(model="sp", prompt=text, max_tokens=4, extra_body={"ignore_eos": True})
+            by_ids = client.completions.create(model="sp", prompt=expected, max_tokens=4,
+                                               extra_body={"ignore_eos": True})
+            assert reply.usage.prompt_tokens == len(expected) and reply.choices[0].text == by_ids.choices[0].text

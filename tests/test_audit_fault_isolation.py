@@ -152,3 +152,33 @@ def test_a_delivery_that_fails_fails_its_request_alone(tiny_checkpoints, make_en
     kept = engine.open_state("culprit").tokens
     assert kept[:20] == histories["culprit"] and kept[20:] == solo["culprit"][:len(kept) - 20]
     assert engine.open_state("later").generate(greedy(), prompt=histories["a"]).token_ids == solo["a"]
+
+
+@pytest.mark.parametrize("stops", [["\x00\x01"], []], ids=["engine-thread", "reader-side"])
+def test_a_final_text_that_cannot_be_decoded_fails_its_request_with_a_hibana_error(tiny_checkpoints, make_engine,
+                                                                                 join_all, monkeypatch, stops):
+    """The end of a request's text (what was held back) fails to decode: the request fails with a
+    HibanaError, on the engine's thread (stop strings) and where the reader decodes (none), and its
+    reader is not left waiting; the others get their solo output."""
+    from hibana_core.errors import HibanaError
+
+    engine = make_engine(tiny_checkpoints["qwen3"], speculation="off")
+    histories = {name: random_tokens(random.Random(seed), 20) for seed, name in enumerate(("a", "culprit"))}
+    solo = engine.open_state("solo-a").generate(greedy(), prompt=histories["a"]).token_ids
+    made, take = detokenizer.Detokenizer.__init__, detokenizer.Detokenizer.take_delta
+
+    def init(self, tokenizer, history, *args, **kwargs):
+        made(self, tokenizer, history, *args, **kwargs)
+        self.culprit = list(history)[:20] == histories["culprit"]
+
+    def take_delta(self, final=False):
+        if final and getattr(self, "culprit", False):
+            raise RuntimeError("the held-back text broke")
+        return take(self, final)
+
+    monkeypatch.setattr(detokenizer.Detokenizer, "__init__", init)
+    monkeypatch.setattr(detokenizer.Detokenizer, "take_delta", take_delta)
+    got = run_agents(engine, {"a": (histories["a"], greedy(), generate),
+                              "culprit": (histories["culprit"], greedy(stop=stops), stream)}, join_all)
+    assert got["a"] == solo
+    assert isinstance(got["culprit"], HibanaError) and "held-back text broke" in str(got["culprit"])
