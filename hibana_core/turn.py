@@ -406,7 +406,7 @@ class Thinking:
         if self.mode == "start":
             head = _cut(text, len(text) - len(text.lstrip()))
             opening = self.markers.open
-            if head.startswith(opening):
+            if self._marker_at(head, 0, opening):
                 text, self.mode = _cut(head, len(opening)), "thinking"
             elif opening.startswith(head):  # undecided: whitespace, or part of the tag
                 self.held = text
@@ -415,8 +415,8 @@ class Thinking:
                 self.mode = "answer"
         if self.mode == "thinking":
             closing = self.markers.close
-            if closing in text:
-                at = text.index(closing)
+            at = next((i for i in _occurrences(text, closing) if self._marker_at(text, i, closing)), -1)
+            if at >= 0:
                 thinking, text = _cut(text, 0, at), _cut(text, at + len(closing))
                 self.mode = "after"
             else:
@@ -430,6 +430,15 @@ class Thinking:
             answer = text
         self.reasoning += thinking
         return self._streamed(thinking, ended=self.mode != "thinking"), answer
+
+    def _marker_at(self, text: str, at: int, marker: str) -> bool:
+        """Whether `marker` stands at `at` as the marker: where the markers are control tokens
+        (Magistral's [THINK]), at a control span of a `GeneratedText` only, so that the same
+        characters spelled with ordinary tokens (a quoted tool result) are text."""
+        if not text.startswith(marker, at):
+            return False
+        return not (self.markers.control and isinstance(text, GeneratedText)) or \
+            (at, at + len(marker)) in text.control_spans
 
     def close(self) -> tuple[str, str]:
         """What was held back at the end of the turn (thinking cut off by max_tokens stays thinking)."""
@@ -453,6 +462,14 @@ class Thinking:
     @property
     def text(self) -> str:
         return self.reasoning.strip()
+
+
+def _occurrences(text: str, part: str) -> Iterator[int]:
+    """Where `part` starts in `text`, in order."""
+    at = text.find(part)
+    while at >= 0:
+        yield at
+        at = text.find(part, at + 1)
 
 
 def _joined(head: str, tail: str) -> str:

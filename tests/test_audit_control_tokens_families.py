@@ -595,7 +595,7 @@ def test_thinking_split_keeps_the_answers_control_spans():
     from hibana_plugins.hookspecs import GeneratedText
 
     thinking = Thinking(markers=MISTRAL_THINK)
-    pieces = [GeneratedText("[THINK]", ((0, 7),)), GeneratedText("hm[/THI"), GeneratedText("NK]", ()),
+    pieces = [GeneratedText("[THINK]", ((0, 7),)), GeneratedText("hm"), GeneratedText("[/THINK]", ((0, 8),)),
               GeneratedText("  a[TOOL_CALLS]b", ()), GeneratedText("[TOOL_CALLS]", ((0, 12),))]
     answers = [thinking.feed(p)[1] for p in pieces]
     assert [a for a in answers if a] == ["a[TOOL_CALLS]b", "[TOOL_CALLS]"]
@@ -622,3 +622,32 @@ def test_magistral_streamed_answer_spelling_tool_calls_is_no_call(engines):
     deltas = list(chat.stream_respond(messages, tools_for("magistral"), SamplingParams(max_tokens=len(ids))))
     assert all(d.tool_call is None for d in deltas)
     assert deltas[-1].result.tool_calls == [] and "[TOOL_CALLS]get_weather" in "".join(d.text for d in deltas)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_magistral_thinking_that_quotes_its_closing_marker_goes_on(engines, streamed):
+    """Magistral's [THINK] and [/THINK] are control tokens: a thought that quotes "[/THINK]" (or a
+    reply that begins with "[THINK]") in ordinary tokens neither ends the thinking nor opens it; the
+    real tokens do, whole or streamed."""
+    from hibana_core.speculation import force_outputs
+
+    engine = engines("magistral")
+    tokenizer = engine.tokenizer
+    plain = plain_encoder(tokenizer, words=True)
+    think, end = (tokenizer.convert_tokens_to_ids(t) for t in ("[THINK]", "[/THINK]"))
+    thought = "The tool wrote [/THINK] and [THINK] in its text."
+    cases = [([think, *plain(thought), end, *plain("It is sunny.")], thought, "It is sunny."),
+             (plain("[THINK]quoted, not a thought"), "", "[THINK]quoted, not a thought")]
+    for n, (ids, reasoning, answer) in enumerate(cases):
+        chat = Chat(engine, f"magistral-think-{streamed}-{n}")
+        ids = [*ids, tokenizer.eos_token_id]
+        force_outputs(chat.handle, ids)
+        messages = [{"role": "user", "content": "What did the tool say?"}]
+        params = SamplingParams(max_tokens=len(ids))
+        if streamed:
+            deltas = list(chat.stream_respond(messages, None, params))
+            result = deltas[-1].result
+            assert "".join(d.reasoning for d in deltas) == reasoning
+        else:
+            result = chat.respond(messages, None, params)
+        assert (result.reasoning, result.content) == (reasoning, answer)
