@@ -7,9 +7,7 @@ token not declared as `bos_token`."""
 
 from __future__ import annotations
 
-import json
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,17 +24,9 @@ import tiny_models  # noqa: E402
 from test_audit_control_tokens_families import (GEMMA3_SPECIAL, GEMMA3_TEMPLATE, LLAMA3_SPECIAL,  # noqa: E402
                                                 LLAMA31_TEMPLATE, QWEN25_ADDED, QWEN25_TEMPLATE, QWEN_SPECIAL)
 
+from test_server_tokenize import call  # noqa: E402 - a POST of JSON, its status and body
+
 GREEDY = {"ignore_eos": True}
-
-
-def call(url: str, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _post(path: Path, single: str | None, pair_tokens: tuple[str, ...] = ()) -> None:

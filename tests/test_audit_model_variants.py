@@ -15,7 +15,6 @@ greedy output left transformers' (at a top-2 gap of 0.9 on the tiny model).
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -23,17 +22,10 @@ import torch
 
 from hibana_core import (CheckpointError, ConfigError, ContextLengthError, InvalidTokenError, SamplingParams,
                          UnsupportedModelError)
-from tiny_models import (EVERY_TENSOR_USED, _no_stop_config, assert_greedy_matches, greedy_turns_at_once,
-                         make_tiny_checkpoint)
+from tiny_models import (EVERY_TENSOR_USED, _no_stop_config, assert_greedy_matches, edit_config,
+                         greedy_turns_at_once, make_tiny_checkpoint)
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
-
-
-def edit_config(path, drop=(), **fields) -> None:
-    config = json.loads((path / "config.json").read_text())
-    for key in drop:
-        config.pop(key, None)
-    (path / "config.json").write_text(json.dumps({**config, **fields}))
 
 
 def plan(seed: int) -> list[tuple[list[int], int]]:

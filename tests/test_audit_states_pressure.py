@@ -77,8 +77,7 @@ def check_accounting(engine) -> None:
 
 
 def test_twelve_agents_round_robin_through_every_tier(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(1)
         hs = [engine.open_state(f"agent-{i}") for i in range(12)]
         histories = [random_tokens(rng, rng.randint(30, 50)) for _ in hs]
@@ -102,14 +101,11 @@ def test_twelve_agents_round_robin_through_every_tier(qwen3, tmp_path):
         assert stats.host_tier["dropped"] == 0
         for h, history in zip(hs, histories):
             assert h.tokens == history
-    finally:
-        engine.close()
 
 
 def test_a_turn_after_park_computes_only_its_new_tokens(qwen3, tmp_path):
     """Every agent's second turn after it went to host or disk: reused covers its whole old history."""
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(2)
         hs = [engine.open_state(f"a{i}") for i in range(8)]
         for h in hs:
@@ -123,8 +119,6 @@ def test_a_turn_after_park_computes_only_its_new_tokens(qwen3, tmp_path):
             # the last generated token has no KV yet: it and the 4 new ones are computed
             assert done.stats.computed == 5, (h.id, where[h.id], done.stats)
             assert_greedy_matches(str(qwen3), prompt, done.token_ids)
-    finally:
-        engine.close()
 
 
 # --- fork / truncate / save of a swapped-out state ----------------------------------------------
@@ -139,8 +133,7 @@ def _park_all_but_last(engine, rng, n=6, length=40):
 
 @pytest.mark.parametrize("where", ["host", "disk"])
 def test_fork_of_a_swapped_out_state_then_both_branches_diverge(qwen3, tmp_path, where):
-    engine = pressured(qwen3, tmp_path, host_states=3 if where == "host" else 0.0)
-    try:
+    with pressured(qwen3, tmp_path, host_states=3 if where == "host" else 0.0) as engine:
         rng = random.Random(3)
         hs = _park_all_but_last(engine, rng)
         parent = next(h for h in hs if tiers(engine)[h.id] == where)
@@ -159,15 +152,12 @@ def test_fork_of_a_swapped_out_state_then_both_branches_diverge(qwen3, tmp_path,
         more = twin.tokens + random_tokens(rng, 2)
         assert_greedy_matches(str(qwen3), more, twin.generate(greedy(), prompt=more).token_ids)
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("where", ["host", "disk"])
 @pytest.mark.parametrize("cut", [1, 16, 33, 44])
 def test_truncate_of_a_swapped_out_state_then_continue(qwen3, tmp_path, where, cut):
-    engine = pressured(qwen3, tmp_path, host_states=3 if where == "host" else 0.0)
-    try:
+    with pressured(qwen3, tmp_path, host_states=3 if where == "host" else 0.0) as engine:
         rng = random.Random(4)
         hs = _park_all_but_last(engine, rng)
         h = next(h for h in hs if tiers(engine)[h.id] == where)
@@ -179,8 +169,6 @@ def test_truncate_of_a_swapped_out_state_then_continue(qwen3, tmp_path, where, c
         assert_greedy_matches(str(qwen3), base[:cut], done.token_ids)
         assert done.stats.computed <= 1 + (cut % 16 if cut >= 16 else cut)  # the rest came back by copy
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("where", ["host", "disk"])
@@ -195,8 +183,7 @@ def test_save_of_a_swapped_out_state_loads_into_a_fresh_engine(qwen3, tmp_path, 
         assert tiers(engine)[h.id] == where  # saving does not bring it back
     finally:
         engine.close()
-    fresh = pressured(qwen3, tmp_path / "fresh")
-    try:
+    with pressured(qwen3, tmp_path / "fresh") as fresh:
         for i in range(3):  # fill the fresh pool first: the load has to evict or park
             fresh.open_state(f"f{i}").generate(greedy(), prompt=random_tokens(rng, 60))
         loaded = fresh.load_state(tmp_path / "saved.state")
@@ -206,8 +193,6 @@ def test_save_of_a_swapped_out_state_loads_into_a_fresh_engine(qwen3, tmp_path, 
         assert done.stats.computed == 4, done.stats
         assert_greedy_matches(str(qwen3), prompt, done.token_ids)
         check_accounting(fresh)
-    finally:
-        fresh.close()
 
 
 # --- pins -----------------------------------------------------------------------------------------
@@ -216,8 +201,7 @@ def test_save_of_a_swapped_out_state_loads_into_a_fresh_engine(qwen3, tmp_path, 
 def test_pins_under_a_full_budget(qwen3, tmp_path):
     """Pinned states stay on the device while others leave; pinning every state never blocks a
     request; pinning a parked state is harmless; unpin lets it go."""
-    engine = pressured(qwen3, tmp_path, blocks=12, pin_budget=0.5)
-    try:
+    with pressured(qwen3, tmp_path, blocks=12, pin_budget=0.5) as engine:
         rng = random.Random(6)
         hs = [engine.open_state(f"s{i}") for i in range(3)]
         for h in hs:
@@ -241,13 +225,10 @@ def test_pins_under_a_full_budget(qwen3, tmp_path):
             assert_greedy_matches(str(qwen3), prompt, h.generate(greedy(2), prompt=prompt).token_ids)
             h.unpin()
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 def test_a_history_larger_than_the_pool_with_everything_pinned_is_a_clear_error(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path, blocks=8)
-    try:
+    with pressured(qwen3, tmp_path, blocks=8) as engine:
         rng = random.Random(7)
         h = engine.open_state("pinned")
         h.generate(greedy(), prompt=random_tokens(rng, 40))
@@ -260,16 +241,13 @@ def test_a_history_larger_than_the_pool_with_everything_pinned_is_a_clear_error(
         assert other.tokens == [] and tiers(engine)["pinned"] == "device"
         prompt = h.tokens + [3]
         assert_greedy_matches(str(qwen3), prompt, h.generate(greedy(), prompt=prompt).token_ids)
-    finally:
-        engine.close()
 
 
 # --- close while streaming; the same handle twice -------------------------------------------------
 
 
 def test_closing_a_state_while_its_stream_runs(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(8)
         bystanders = _park_all_but_last(engine, rng, n=4)
         h = engine.open_state("victim")
@@ -292,13 +270,10 @@ def test_closing_a_state_while_its_stream_runs(qwen3, tmp_path):
             prompt = b.tokens + [4, 5]
             assert_greedy_matches(str(qwen3), prompt, b.generate(greedy(), prompt=prompt).token_ids)
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 def test_closing_a_state_from_another_thread_while_it_streams(qwen3, tmp_path, join_all):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(9)
         h = engine.open_state("victim")
         started, result = threading.Event(), {}
@@ -325,13 +300,10 @@ def test_closing_a_state_from_another_thread_while_it_streams(qwen3, tmp_path, j
             assert result["last"].finish_reason == "cancelled", result["last"]
         assert engine.pool.num_used == 0 or all(info.id != "victim" for info in engine.states())
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 def test_two_generates_on_one_handle_at_once_are_refused_or_serialised(qwen3, tmp_path, join_all):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(10)
         h = engine.open_state("shared")
         base = random_tokens(rng, 30)
@@ -361,16 +333,13 @@ def test_two_generates_on_one_handle_at_once_are_refused_or_serialised(qwen3, tm
         assert_greedy_matches(str(qwen3), base, tokens[30:])
         more = h.generate(greedy())
         assert_greedy_matches(str(qwen3), tokens, more.token_ids)
-    finally:
-        engine.close()
 
 
 # --- asyncio under pressure, cancellation and reuse -----------------------------------------------
 
 
 def test_async_agents_under_pressure(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(11)
         plans = {f"as{i}": [random_tokens(rng, rng.randint(20, 40))] + [random_tokens(rng, 4) for _ in range(2)]
                  for i in range(10)}
@@ -400,13 +369,10 @@ def test_async_agents_under_pressure(qwen3, tmp_path):
             assert_greedy_matches(str(qwen3), prompt, toks)
         assert engine.stats().parks > 0
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 def test_cancelled_async_streams_under_pressure_then_reuse(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(12)
         prompts = {f"c{i}": random_tokens(rng, 40) for i in range(6)}
 
@@ -445,13 +411,10 @@ def test_cancelled_async_streams_under_pressure_then_reuse(qwen3, tmp_path):
         assert engine.pool.num_used == 0
         tier = engine.stats().host_tier
         assert tier["bytes_used"] == 0 and tier["disk_bytes_used"] == 0 and tier["disk_states"] == 0
-    finally:
-        engine.close()
 
 
 def test_a_sync_stream_cancelled_under_pressure_then_reused(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(13)
         others = _park_all_but_last(engine, rng, n=4)
         h = engine.open_state("cut")
@@ -469,16 +432,13 @@ def test_a_sync_stream_cancelled_under_pressure_then_reused(qwen3, tmp_path):
         more = tokens + [2, 3]
         assert_greedy_matches(str(qwen3), more, h.generate(greedy(), prompt=more).token_ids)
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 # --- the disk going bad -----------------------------------------------------------------------------
 
 
 def test_a_truncated_spill_file_costs_its_state_a_recompute_only(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path, host_states=0.0)
-    try:
+    with pressured(qwen3, tmp_path, host_states=0.0) as engine:
         rng = random.Random(14)
         hs = _park_all_but_last(engine, rng)
         on_disk = [h for h in hs if tiers(engine)[h.id] == "disk"]
@@ -496,8 +456,6 @@ def test_a_truncated_spill_file_costs_its_state_a_recompute_only(qwen3, tmp_path
             assert done.stats.computed == 2
             assert_greedy_matches(str(qwen3), prompt, done.token_ids)
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 def test_a_spill_folder_replaced_by_a_file_drops_copies_not_requests(qwen3, tmp_path):
@@ -530,17 +488,13 @@ def test_a_spill_folder_replaced_by_a_file_drops_copies_not_requests(qwen3, tmp_
     finally:
         engine.close()
         folder.unlink()
-    again = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as again:
         for state_id, tokens in histories.items():  # every history was written at close
             assert again.open_state(state_id).tokens == tokens, state_id
-    finally:
-        again.close()
 
 
 def test_a_truncated_state_file_is_a_state_file_error_and_others_run(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path, host_states=0.0)
-    try:
+    with pressured(qwen3, tmp_path, host_states=0.0) as engine:
         rng = random.Random(16)
         hs = _park_all_but_last(engine, rng)
         h = next(h for h in hs if tiers(engine)[h.id] == "disk")
@@ -555,8 +509,6 @@ def test_a_truncated_state_file_is_a_state_file_error_and_others_run(qwen3, tmp_
             prompt = h.tokens + [8]
             assert_greedy_matches(str(qwen3), prompt, h.generate(greedy(), prompt=prompt).token_ids)
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 # --- the bundled demo model: a small budget against a large one -------------------------------------
@@ -797,8 +749,7 @@ def test_threads_generate_while_others_fork_save_pin_and_read_their_states(qwen3
 
 
 def test_two_async_generations_on_one_handle(qwen3, tmp_path):
-    engine = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as engine:
         rng = random.Random(31)
         _park_all_but_last(engine, rng, n=5)
         h = engine.open_state("p0")  # parked: its first request must bring it back
@@ -815,8 +766,6 @@ def test_two_async_generations_on_one_handle(qwen3, tmp_path):
         assert h.tokens == base + [t for r in ok for t in r.token_ids]
         assert_greedy_matches(str(qwen3), base, h.tokens[len(base):])
         check_accounting(engine)
-    finally:
-        engine.close()
 
 
 # --- requests that wait for room ---------------------------------------------------------------------
@@ -932,8 +881,7 @@ def test_closing_the_engine_while_streams_run_under_pressure_persists_consistent
     for events in streams:  # each ends, with the engine's error, never hangs
         with pytest.raises(EngineClosedError):
             list(events)
-    again = pressured(qwen3, tmp_path)
-    try:
+    with pressured(qwen3, tmp_path) as again:
         for state_id, tokens in expected.items():
             assert again.open_state(state_id).tokens == tokens, state_id
         for state_id, prompt in prompts.items():
@@ -944,5 +892,3 @@ def test_closing_the_engine_while_streams_run_under_pressure_persists_consistent
                 assert_greedy_matches(str(qwen3), prompt, tokens[50:])
             more = (tokens or prompt) + [2]
             assert_greedy_matches(str(qwen3), more, h.generate(greedy(3), prompt=more).token_ids)
-    finally:
-        again.close()

@@ -4,23 +4,14 @@ the golden checkpoints (tiny_models.ARCH_CONFIGS) leave at one value."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
 from hibana_core import SamplingParams
-from tiny_models import EVERY_TENSOR_USED, assert_greedy_matches, make_tiny_checkpoint
+from tiny_models import EVERY_TENSOR_USED, assert_greedy_matches, edit_config, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.timeout(300), EVERY_TENSOR_USED]
-
-
-def edit_config(path, drop=(), **fields) -> None:
-    """Rewrite path/config.json: `drop` those keys, set `fields` (as a released config.json has them)."""
-    config = json.loads((path / "config.json").read_text())
-    for key in drop:
-        config.pop(key, None)
-    (path / "config.json").write_text(json.dumps({**config, **fields}))
 
 
 def greedy(engine, history: list[int], n: int) -> list[int]:

@@ -399,6 +399,16 @@ def _save_seeded(config, path: Path, seed: int, shard_size: str | None = None, t
     return path
 
 
+def edit_config(path, drop=(), **fields) -> None:
+    """Rewrite path/config.json: `drop` those keys, set `fields` (as a released config.json has them)."""
+    import json
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    for key in drop:
+        config.pop(key, None)
+    (Path(path) / "config.json").write_text(json.dumps({**config, **fields}))
+
+
 def make_chat_checkpoint(arch: str, path, template: str, special: Sequence[str] = (), added: Sequence[str] = (),
                          bos_token: str | None = None, **config_overrides) -> Path:
     """A tiny `arch` checkpoint whose tokenizer has a chat model's markup: `special` tokens (control),
