@@ -41,7 +41,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Callable
 
-from hibana_core.errors import HibanaError
+from hibana_core.errors import HibanaError, hibana_error
 from hibana_core.output import OutputProcessor, RequestEvents
 from hibana_core.runner import ModelRunner, StepInFlight
 from hibana_core.sampler import needs_history
@@ -223,8 +223,7 @@ class EngineCore:
             self.scheduler.revert(scheduled)
             return None
         except Exception as exc:  # fails this step's requests; their states keep their KV
-            self.scheduler.fail(scheduled, exc if isinstance(exc, HibanaError)
-                                else HibanaError(f"model step failed: {exc!r}"))
+            self.scheduler.fail(scheduled, hibana_error(exc, "model step failed"))
             return None
         self.counters.count(scheduled)
         return launched
@@ -259,8 +258,7 @@ class EngineCore:
             self.runner.sample(step, masks)
         except Exception as exc:  # fails this step's requests, as a failed launch does
             self.in_flight = None
-            self.scheduler.fail(step.scheduled, exc if isinstance(exc, HibanaError)
-                                else HibanaError(f"model step failed: {exc!r}"))
+            self.scheduler.fail(step.scheduled, hibana_error(exc, "model step failed"))
             return None
         return step
 
@@ -305,8 +303,7 @@ class EngineCore:
         are being filled meanwhile, which own the matchers until they end, also when this fails."""
         try:
             for request, exc in self.outputs.process(updated):  # its tokens stay in its state's history
-                request.error = exc if isinstance(exc, HibanaError) else HibanaError(
-                    f"delivering the generated tokens failed: {exc!r}")
+                request.error = hibana_error(exc, "delivering the generated tokens failed")
                 self.scheduler.finish(request, "error")
             if self.speculation is not None:
                 self.speculation.updated(step.scheduled.chunks)

@@ -18,6 +18,11 @@ __all__ = [
 ]
 
 
+def hibana_error(exc: Exception, failed: str) -> HibanaError:
+    """`exc` where it is a HibanaError (it says what to do), else one saying what `failed`, and why."""
+    return exc if isinstance(exc, HibanaError) else HibanaError(f"{failed}: {exc!r}")
+
+
 class ConfigError(HibanaError, ValueError):
     """A configuration or sampling parameter is out of range."""
 

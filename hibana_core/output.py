@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hibana_core.detokenizer import Detokenizer
-from hibana_core.errors import ConfigError, HibanaError
+from hibana_core.errors import ConfigError, HibanaError, hibana_error
 from hibana_core.prompt import control_strings
 from hibana_core.scheduler import Request, RequestOutput
 from hibana_core.state import Completion, RequestStats, StreamEvent
@@ -329,8 +329,7 @@ class OutputProcessor:
             self._finish(request, delivery)
         except Exception as exc:  # noqa: BLE001 - a tokenizer's or a stream's fault, this request's alone
             if request.error is None:
-                request.error = exc if isinstance(exc, HibanaError) else HibanaError(
-                    f"delivering the end of the generated text failed: {exc!r}")
+                request.error = hibana_error(exc, "delivering the end of the generated text failed")
             delivery.stream.put(StreamEvent(None, "", "error"))
 
     def _finish(self, request: Request, delivery: _Delivery) -> None:
