@@ -67,6 +67,7 @@ from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaE
 from hibana_core.prompt import leading_specials
 from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
+from hibana_plugins.options import RELEASE_WAIT
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest,
                                        DetokenizeRequest, Reply, TextReply, TokenizeRequest, chat_call, choice_calls,
                                        context_exceeded, countable, json_text, named_state, parse_request, prompts_of,
@@ -875,8 +876,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-BUSY_WAIT = 2.0
-"""Seconds a request naming a busy state waits for it before its 409 (`started`)."""
+BUSY_WAIT = RELEASE_WAIT
+"""Seconds a request naming a busy state waits for it before its 409 (`started`): as long as an
+adapter's async call waits for a state its caller's stream left (`options.lease_holder`)."""
 BUSY_POLL = 0.05
 """Seconds between its looks at the state (each tokenizes the prompt again)."""
 OFF_LOOP_BYTES = 1 << 16
