@@ -179,6 +179,9 @@ class Chat:
         self.words = prompt.markup_words(engine.tokenizer)  # what tools' contents never turn into
         self.word_ids = frozenset(vocab[t] for t in self.words if t in vocab)
         self.control_ids = frozenset(vocab[t] for t in self.control if t in vocab)
+        self.added_tokens = frozenset(t for t in (*self.control, *self.words) if t in vocab)
+        """The text of every added token, special or not, that the detokenizer marks where the model
+        generates it (`GeneratedText.added_tokens`: a call's opening tag is read there only)."""
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
         self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
         self._spelt: dict[int, tuple[str, bytes]] = {}  # token id -> its text and bytes in logprobs, as first spelt
@@ -933,7 +936,8 @@ class Chat:
                     # a prefill may have opened a call the grammar never saw (it starts after the prefill,
                     # in free text): that call's closing tag stays writable
                     grammar = turn.parser_grammar(self.parser, self.parser_name, tools, tool_choice,
-                                                  parallel=not one_call, strict=guided, closer=not prefill)
+                                                  parallel=not one_call, strict=guided, closer=not prefill,
+                                                  tokens=self.added_tokens)
                     if grammar is None and tool_choice != "auto":
                         raise ToolChoiceError(
                             f"tool_choice={tool_choice!r} asks for a call, and the {self.parser_name} tool parser "
@@ -943,7 +947,7 @@ class Chat:
                 else:
                     grammar = turn.answer_or_calls(self.parser, self.parser_name, tools, tool_choice, answer,
                                                    parallel=not one_call, strict=guided,
-                                                   strict_schema=params.strict_schema)
+                                                   strict_schema=params.strict_schema, tokens=self.added_tokens)
             from_start = answer is not None or tool_choice != "auto"  # the grammar holds the turn's first token
             if grammar is not None and held_off and grammar.get("type") == "structural_tag":
                 # an answer in JSON follows the blank line after the think block, as a forced call does
@@ -1011,7 +1015,8 @@ class Chat:
         snapshot_at = self._generation_prompt_start(ids, end) if hybrid and (open_in_prompt or closed_in_prompt) \
             else None
         return turn.TurnRun(ids, prefill, params, stream, encode, timeout, max_calls=max_calls, thinking=thinking,
-                            calls_held=calls_held, passed_ends=passed_ends, snapshot_at=snapshot_at)
+                            calls_held=calls_held, passed_ends=passed_ends, snapshot_at=snapshot_at,
+                            added_tokens=self.added_tokens)
 
     def _generation_prompt_start(self, ids: list[int], end: str) -> int | None:
         """Where in the prompt `ids` the think block its generation prompt writes (opened, or open
@@ -1325,7 +1330,7 @@ def assistant_message(result: ChatResult) -> dict:
     return message
 
 
-FREE_START = ("triggered_tags", "any_text")
+FREE_START = ("triggered_tags", "token_triggered_tags", "any_text")
 """Tool-call grammars (xgrammar structural tags) that let a turn begin anywhere in free text, so
 that a prefill may come first: calls opened by a trigger (hermes' <tool_call>), or none."""
 

@@ -6,9 +6,10 @@ the window starts a few tokens back in the history. Streamed text is held back o
 could still grow into a stop string (the longest end of the text that starts one), so a stop
 string spanning tokens is never half-emitted and a long stop string holds back nothing it need not.
 
-The text records where the model generated control (special) tokens (`control_spans`, handed
-out with the text as `GeneratedText`): a tool parser reads markup there only, never in the same
-characters spelled by ordinary tokens. A control token's text is never split between deltas.
+The text records where the model generated the tokenizer's added tokens, special or not
+(`control_spans`, handed out with the text as `GeneratedText`): a tool parser reads a marker that is
+such a token there only, never in the same characters spelled by ordinary tokens. An added token's
+text is never split between deltas.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ class StopMatcher:
 
 class Detokenizer:
     """One request's generated text, token by token; `control` maps the ids of the tokenizer's
-    control tokens to their text, so that their spans are recorded (`control_spans`)."""
+    added tokens to their text, so that their spans are recorded (`control_spans`)."""
 
     def __init__(self, tokenizer: Any | None, history: Sequence[int], stop: Sequence[str],
                  control: Mapping[int, str] | None = None) -> None:
@@ -199,7 +200,7 @@ class Detokenizer:
         self._decode = text_decoder(tokenizer) if tokenizer is not None else None
         self.stop = tuple(stop)
         self._control_text = control or {}
-        self.control_spans: list[Span] = []  # spans of `text` that are generated control tokens
+        self.control_spans: list[Span] = []  # spans of `text` that are generated added tokens
         self._spans_emitted = 0  # how many of them were handed out
         try:
             self._ids, self._read_offset = _context(tokenizer, history) if tokenizer is not None else ([], 0)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from hibana_core.detokenizer import Detokenizer
 from hibana_core.errors import ConfigError, HibanaError, hibana_error
-from hibana_core.prompt import control_strings
+from hibana_core.prompt import control_strings, markup_words
 from hibana_core.scheduler import Request, RequestOutput
 from hibana_core.state import Completion, RequestStats, StreamEvent
 from hibana_plugins.hookspecs import GeneratedText
@@ -355,9 +355,10 @@ class OutputProcessor:
 
 
 def _control_tokens(tokenizer: Any | None) -> dict[int, str]:
-    """Id -> text of the tokenizer's control tokens (`prompt.control_strings`), which the
-    detokenizer marks in generated text."""
+    """Id -> text of the tokenizer's added tokens, special (`prompt.control_strings`) or not
+    (`prompt.markup_words`: Qwen's `<tool_call>`), which the detokenizer marks in generated text:
+    a parser tells the token the model generated from its text spelled by ordinary tokens."""
     if tokenizer is None:
         return {}
     vocab = tokenizer.get_vocab()
-    return {vocab[text]: text for text in control_strings(tokenizer) if text in vocab}
+    return {vocab[text]: text for text in (*control_strings(tokenizer), *markup_words(tokenizer)) if text in vocab}

@@ -71,7 +71,7 @@ class Completion:
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     control_spans: tuple[tuple[int, int], ...] | None = None  # (start, end) of `text` where the model
-                                                              # generated control (special) tokens
+                                                              # generated added tokens (special or not)
     stop_string: str | None = None  # the stop string (SamplingParams.stop) that ended the text, if one did
 
 
@@ -86,7 +86,7 @@ class StreamEvent:
     completion: Completion | None = None
     logprob: TokenLogprob | None = None   # the token's, when the request asked for logprobs
     control_spans: tuple[tuple[int, int], ...] | None = None  # (start, end) of `text` that are
-                      # control tokens' text (never split between events); None: not known (an event
+                      # added tokens' text (special or not: Qwen's <tool_call>) (never split between events); None: not known (an event
                       # built elsewhere), and its text is read as its tokenizer would encode it
 
 

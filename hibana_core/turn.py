@@ -159,11 +159,13 @@ def arguments_schema(function: dict, strict: bool = True) -> dict:
 
 
 def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSyntax, *, parallel: bool = True,
-                      strict: bool = True, closer: bool = True) -> dict:
+                      strict: bool = True, closer: bool = True, tokens: Collection[str] = ()) -> dict:
     """The structural tag (xgrammar's format) that holds a turn's calls to the offered tools
     (module docstring); `strict=False` leaves the arguments any JSON object; `closer=False` lets
     free text hold the syntax's closing tag (after a prefill, which may have opened a call the
-    grammar never saw)."""
+    grammar never saw). `tokens`: the tokenizer's added tokens. Where the syntax's trigger is one
+    of them (hermes' `<tool_call>` on Qwen), a call opens with that token, as the parser reads
+    calls (`GeneratedText`): its text spelled by ordinary tokens is text, in free text too."""
     functions = [t["function"] for t in tools]
     if tool_choice not in ("auto", "required"):
         functions = [f for f in functions if f["name"] == tool_choice]
@@ -176,21 +178,30 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
     tags = [{"type": "tag", "begin": syntax.open + spelt(f["name"]) + syntax.mid,
              "content": {**content, "json_schema": arguments_schema(f, strict)}, "end": syntax.close}
             for f in functions]
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
-             "at_least_one": True, "stop_after_first": not parallel}
     trigger = getattr(syntax, "trigger", "") or syntax.open  # a plugin's syntax may leave these out
     block_open = getattr(syntax, "block_open", "")
+    by_token = trigger in tokens and getattr(syntax, "anywhere", True) and (
+        trigger in block_open if block_open else syntax.open.startswith(trigger))
+    if by_token and not block_open:
+        tags = [_token_begun(tags, trigger)]
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": getattr(syntax, "separator", "\n"),
+             "at_least_one": True, "stop_after_first": not parallel}
     opened = tags  # what the trigger opens in free text: a call, or a block of them
     if block_open:  # the calls in a block (one, where not `parallel`): after what the template writes before it
         # where the calls come first (a forced call), or opened at the trigger in free text
         lead = block_open[:block_open.find(trigger)] if trigger in block_open else ""
         opened = [{"type": "tag", "begin": block_open[len(lead):], "content": calls,
                    "end": getattr(syntax, "block_close", "")}]
+        if by_token:
+            opened = [_token_begun(opened, trigger)]
         calls = opened[0] if not lead else {"type": "sequence", "elements": [
             {"type": "const_string", "value": lead}, opened[0]]}
     if tool_choice == "auto":
         excludes = _stray(syntax) if closer else []
-        if getattr(syntax, "anywhere", True):
+        if by_token:  # free text until the model generates the token (a closing tag's token stays out of it)
+            form = {"type": "token_triggered_tags", "trigger_tokens": [trigger], "tags": opened,
+                    "exclude_tokens": [e for e in excludes if e in tokens], "stop_after_first": not parallel}
+        elif getattr(syntax, "anywhere", True):
             form = {"type": "triggered_tags", "triggers": [trigger], "tags": opened, "stop_after_first": not parallel,
                     "excludes": excludes}
         else:  # calls from the start (after whitespace, as the parser reads them), or text that starts none but
@@ -212,11 +223,25 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: str, syntax: CallSynta
     return {"type": "structural_tag", "format": form}
 
 
+def _token_begun(tags: list[dict], token: str) -> dict:
+    """One tag for `tags`, which all begin with the text of `token` and end alike: that token, then
+    what each one's begin writes after it and its content (xgrammar dispatches a token to one tag)."""
+    def rest(tag: dict) -> dict:
+        after = tag["begin"][len(token):]
+        return tag["content"] if not after else {"type": "sequence", "elements": [
+            {"type": "const_string", "value": after}, tag["content"]]}
+
+    pieces = [rest(tag) for tag in tags]
+    return {"type": "tag", "begin": {"type": "token", "token": token},
+            "content": pieces[0] if len(pieces) == 1 else {"type": "or", "elements": pieces}, "end": tags[0]["end"]}
+
+
 def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, tool_choice: str, *,
-                   parallel: bool = True, strict: bool = True, closer: bool = True) -> dict | None:
+                   parallel: bool = True, strict: bool = True, closer: bool = True,
+                   tokens: Collection[str] = ()) -> dict | None:
     """The tool-call grammar of a turn, from the parser's own `tool_call_grammar`, its
     `call_syntax`, or the built-in syntax of its name; None without tools or a known syntax.
-    `closer`: as `tool_call_grammar`'s."""
+    `closer` and `tokens`: as `tool_call_grammar`'s."""
     if not tools or tool_choice == "none":
         return None
     own = getattr(parser, "tool_call_grammar", None)
@@ -225,7 +250,8 @@ def parser_grammar(parser: Any, parser_name: str, tools: Sequence[dict] | None, 
     syntax = getattr(parser, "call_syntax", None) or SYNTAX.get(parser_name)
     if syntax is None:
         return None
-    return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict, closer=closer)
+    return tool_call_grammar(tools, tool_choice, syntax, parallel=parallel, strict=strict, closer=closer,
+                             tokens=tokens)
 
 
 def _any_arguments(tool: dict) -> dict:
@@ -261,23 +287,25 @@ def _stray(syntax: Any) -> list[str]:
 
 
 def answer_or_calls(parser: Any, parser_name: str, tools: Sequence[dict], tool_choice: str, schema: Any, *,
-                    parallel: bool = True, strict: bool = True, strict_schema: bool = True) -> dict:
+                    parallel: bool = True, strict: bool = True, strict_schema: bool = True,
+                    tokens: Collection[str] = ()) -> dict:
     """The grammar of a turn with tools whose text answer follows a JSON schema (OpenAI's
     response_format beside tools): with "auto", calls (as "required" writes them) or the answer,
     JSON valid under `schema`; with "required" or a tool's name, calls only, as without a schema.
     With "auto", a parser that builds its own grammar (harmony's channels) cannot take it, nor
     one without a grammar ever: ConfigError. `strict_schema=False`: keywords the grammar cannot
-    hold are left to the model (SamplingParams.strict_schema)."""
+    hold are left to the model (SamplingParams.strict_schema). `tokens`: as `tool_call_grammar`'s."""
     from hibana_core.grammar import check_held
 
     if strict_schema:
         check_held(schema)
     if tool_choice != "auto":  # calls only, as without the schema: it has no text to hold
-        calls = parser_grammar(parser, parser_name, tools, tool_choice, parallel=parallel, strict=strict)
+        calls = parser_grammar(parser, parser_name, tools, tool_choice, parallel=parallel, strict=strict,
+                               tokens=tokens)
     else:
         own = callable(getattr(parser, "tool_call_grammar", None))
         calls = None if own else parser_grammar(parser, parser_name, tools, "required", parallel=parallel,
-                                                strict=strict)
+                                                strict=strict, tokens=tokens)
     if calls is None:
         raise ConfigError(f"the {parser_name} tool-call format cannot hold a text answer to a JSON schema beside "
                           "tool calls; either drop the tools (the answer follows the schema) or drop json_schema "
@@ -365,7 +393,10 @@ block and that tag (the model says it will not think, closes both and answers)."
 
 def think_markers(template: str, vocab: Collection[str]) -> ThinkMarkers:
     """The think markers a chat template writes: Mistral's where it writes `[/THINK]` and the
-    vocabulary has both as tokens, Seed-OSS's where it writes `</seed:think>`, else Qwen's."""
+    vocabulary has both as tokens, Seed-OSS's where it writes `</seed:think>`, else Qwen's.
+    Qwen's and Seed-OSS's are read as text, their tokens or not: as the end of a thinking, their
+    tokens would need a think block of any tokens but `</think>`, which xgrammar 0.2.9 holds wrongly
+    beside an answer without one (it refused `</think>` after a `<tool_call>` token in the thinking)."""
     if MISTRAL_THINK.close in template and MISTRAL_THINK.open in vocab and MISTRAL_THINK.close in vocab:
         return MISTRAL_THINK
     if SEED_THINK.close in template:
@@ -482,18 +513,13 @@ def _joined(head: str, tail: str) -> str:
     if not tail:
         return head
     if isinstance(head, GeneratedText) and isinstance(tail, GeneratedText):
-        return GeneratedText(str(head) + str(tail), (*head.control_spans,
-                                                     *((a + len(head), b + len(head)) for a, b in tail.control_spans)))
+        return head.joined(tail)
     return str(head) + str(tail)
 
 
 def _cut(text: str, start: int, end: int | None = None) -> str:
     """`text[start:end]`, a `GeneratedText`'s control spans within it moved to match."""
-    if not isinstance(text, GeneratedText):
-        return text[start:end]
-    end = len(text) if end is None else end
-    return GeneratedText(str(text)[start:end], tuple((a - start, b - start) for a, b in text.control_spans
-                                                     if start <= a and b <= end))
+    return text.part(start, end) if isinstance(text, GeneratedText) else text[start:end]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -533,8 +559,10 @@ class TurnRun:
     def __init__(self, prompt: list[int], prefill: str, params: SamplingParams, stream: ToolCallStream,
                  encode: Callable[[str], list[int]], timeout: float | None, max_calls: int | None = None,
                  thinking: Thinking | None = None, calls_held: bool = False,
-                 passed_ends: frozenset[str] = frozenset(), snapshot_at: int | None = None) -> None:
+                 passed_ends: frozenset[str] = frozenset(), snapshot_at: int | None = None,
+                 added_tokens: frozenset[str] | None = None) -> None:
         self.base, self.prefill, self.params, self.stream = prompt, prefill, params, stream
+        self.added_tokens = added_tokens  # the tokenizer's (`GeneratedText.added_tokens`), where known
         self.snapshot_at = snapshot_at  # where the generation prompt starts (`TurnRequest`)
         self.calls_held = calls_held
         self.passed_ends = passed_ends
@@ -581,7 +609,7 @@ class TurnRun:
             self.finish_reason = "stop" if self.stopped and reason == "cancelled" else reason
             self.stop_string = event.completion.stop_string
         known = event.control_spans is not None  # an event relayed without them: markers read from text
-        text = GeneratedText(event.text, event.control_spans) if known else event.text
+        text = GeneratedText(event.text, event.control_spans, self.added_tokens) if known else event.text
         if event.token_id is None:
             return self._with_logprobs(self._feed(text))
         mode = self.thinking.mode if self.thinking is not None else None
@@ -709,9 +737,9 @@ def _characters(text: str) -> list[str]:
         return list(text)
     pieces, at = [], 0
     for a, b in [*text.control_spans, (len(text), len(text))]:
-        pieces += [GeneratedText(c, ()) for c in text[at:a]]
+        pieces += [text.part(i, i + 1) for i in range(at, a)]
         if b > a:
-            pieces.append(GeneratedText(text[a:b], ((0, b - a),)))
+            pieces.append(text.part(a, b))
         at = b
     return pieces
 
@@ -725,7 +753,7 @@ def _without_spans(text: GeneratedText, dropped: frozenset[str]) -> GeneratedTex
             at, cut = b, cut + b - a
         else:
             spans.append((a - cut, b - cut))
-    return text if not cut else GeneratedText("".join(kept) + text[at:], tuple(spans))
+    return text if not cut else GeneratedText("".join(kept) + text[at:], tuple(spans), text.added_tokens)
 
 
 def result(parsed: ParsedOutput, raw_text: str, finish_reason: str, usage: Usage,

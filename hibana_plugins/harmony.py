@@ -47,8 +47,8 @@ import re
 from hibana_core.errors import ConversationError
 from hibana_core.messages import ToolSchemaError, one_call_a_message
 from hibana_core.turn import arguments_schema
-from hibana_plugins.hookspecs import ParsedOutput, ToolCallDelta, ToolCallStream, hookimpl
-from hibana_plugins.tool_parsers import (_Decoded, _Markers, _Stream, decode_arguments, partial_tag_length,
+from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
+from hibana_plugins.tool_parsers import (_Decoded, _Stream, decode_arguments, partial_tag_length,
                                          tag_either as _either, tag_sequence as _sequence, tag_text as _text,
                                          tag_token as _token)
 
@@ -75,17 +75,12 @@ class _HarmonyStream(_Stream):
         self._mode = "header"
         self._channel: str | None = None
         self._recipient: str | None = None
-        self._markers = _Markers()
         self._start = 0  # where `_buffer` starts in the text fed
         self._calls_allowed = calls
         self.reasoning = ""
         """The analysis messages' bodies so far (one line break between two), as they come."""
         self._next_message = False  # a message began since content last came: its text goes a line apart
         self._next_reasoning = False  # an analysis message began since reasoning last came: a line apart
-
-    def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
-        self._markers.add(text_delta)
-        return super().feed(text_delta)
 
     def _advance(self, out: list, final: bool) -> None:
         while True:

@@ -71,10 +71,14 @@ def register_tool_parsers(register) -> None:
       OpenAI-shaped reply when max_tokens stopped the generation there (or a stop string or
       token, where the call grammar held the turn).
     - Generated text comes as a `GeneratedText` (a `str`; `parse` and `feed` take either): its
-      `control_spans` are where the model generated control (special) tokens. A parser whose
-      markup is made of special tokens (harmony's `<|call|>`) splits at those spans only: the
-      same characters spelled by ordinary tokens (a quoted tool result) are content. A plain
-      `str` is read as its tokenizer would encode it: every marker's text is the marker.
+      `control_spans` are where the model generated the tokenizer's added tokens (special ones,
+      and markup words such as Qwen's `<tool_call>`), and `added_tokens` (where known) is the
+      text of all of them. A parser whose markup is made of special tokens (harmony's `<|call|>`)
+      splits at those spans only; one whose calls open at a markup word (hermes' `<tool_call>`)
+      opens them where the model generated that token, or anywhere where the tokenizer has no
+      such token: the same characters spelled by ordinary tokens (a quoted tool result) are
+      content. A plain `str` is read as its tokenizer would encode it: every marker's text is
+      the marker.
     - Optional: `parser.takes_tools = True` asks for the turn's OpenAI-style tools, as
       `parser.stream(tools=tools)` (a format whose values are text typed by the tools' schemas:
       "qwen3_coder").
@@ -197,18 +201,38 @@ Span = tuple[int, int]
 
 
 class GeneratedText(str):
-    """Generated text that knows which of its characters are control tokens' text:
-    `control_spans`, the (start, end) character spans of the special token ids the model
-    generated, in order. Outside them every character came from ordinary tokens, whatever it
-    spells. It is a `str` (parsers that need no provenance read it as one); slicing or joining
-    gives a plain `str`."""
+    """Generated text that knows which of its characters are added tokens' text:
+    `control_spans`, the (start, end) character spans of the tokenizer's added tokens (special
+    ones, and the markup words that are not: Qwen's `<tool_call>`) that the model generated, in
+    order. Outside them every character came from ordinary tokens, whatever it spells.
+    `added_tokens`, where known, is the text of every added token of the tokenizer: a marker
+    among them that stands outside a span was spelled by ordinary tokens (a quoted tool result),
+    and one that is none of them (a format's tag the tokenizer writes in pieces) is text wherever
+    it stands. It is a `str` (parsers that need no provenance read it as one); slicing or joining
+    gives a plain `str` (`part` and `joined` keep the provenance)."""
 
     control_spans: tuple[Span, ...] = ()
+    added_tokens: frozenset[str] | None = None
 
-    def __new__(cls, text: str, control_spans: tuple[Span, ...] = ()) -> "GeneratedText":
+    def __new__(cls, text: str, control_spans: tuple[Span, ...] = (),
+                added_tokens: frozenset[str] | None = None) -> "GeneratedText":
         generated = super().__new__(cls, text)
         generated.control_spans = tuple(control_spans)
+        generated.added_tokens = added_tokens
         return generated
+
+    def part(self, start: int, end: int | None = None) -> "GeneratedText":
+        """`self[start:end]`, with the spans inside it moved to match."""
+        end = len(self) if end is None else end
+        return GeneratedText(str(self)[start:end], tuple((a - start, b - start) for a, b in self.control_spans
+                                                         if start <= a and b <= end), self.added_tokens)
+
+    def joined(self, tail: "GeneratedText") -> "GeneratedText":
+        """`self + tail` with both one's spans."""
+        shift = len(self)
+        return GeneratedText(str(self) + str(tail), (*self.control_spans, *((a + shift, b + shift)
+                                                                            for a, b in tail.control_spans)),
+                             self.added_tokens if self.added_tokens is not None else tail.added_tokens)
 
 
 class CutCall(str):

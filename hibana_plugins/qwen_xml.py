@@ -362,6 +362,7 @@ class _CallBlockStream(_Stream):
     tools' schemas type the values (`_decode`)."""
 
     opener, closer = CALL_START, CALL_END
+    textual_markers = True  # a block opens where the model generated the `opener` token, where it is one
 
     def __init__(self, tools: list[dict] | None) -> None:
         super().__init__()
@@ -392,7 +393,7 @@ class _CallBlockStream(_Stream):
     def _advance(self, out: list, final: bool) -> None:
         while True:
             if not self._in_call:
-                start = self._buffer.find(self.opener)
+                start = self._markers.find(self._buffer, self.opener)
                 if start < 0:
                     self._text_before(out, self.opener, final)
                     return

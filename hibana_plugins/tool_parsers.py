@@ -291,45 +291,58 @@ class _Content:
 
 
 class _Markers:
-    """Where a format's markers (control tokens: harmony's, Mistral's) stand in the text a stream
-    was fed (positions in all of it).
+    """Where a format's markers stand in the text a stream was fed (positions in all of it).
 
-    A `GeneratedText` says so itself: at its control spans, nowhere else, so that a marker the
-    model spelled with ordinary tokens (quoting a tool result) stays text. A plain `str` (a
-    caller's prefill, a text handed to `parse`) is read as the tokenizer would encode it: a
-    marker's text anywhere inside plain text fed in a row is the marker."""
+    A `GeneratedText` says so itself: a marker is where the model generated its token (a control
+    span), so that the same characters spelled with ordinary tokens (quoting a tool result) stay
+    text. Markers that are control tokens (harmony's, Mistral's) count there only. Markers a
+    format writes as text (`textual`: hermes' `<tool_call>`) count there only where they are
+    added tokens of the tokenizer (`GeneratedText.added_tokens`), and anywhere where they are not
+    (or where that is not known). A plain `str` (a caller's prefill, a text handed to `parse`)
+    is read as the tokenizer would encode it: a marker's text anywhere inside plain text fed in a
+    row is the marker."""
 
-    def __init__(self) -> None:
+    def __init__(self, textual: bool = False) -> None:
         self.fed = 0
+        self.textual = textual
         self._control: set[Span] = set()
         self._plain: list[Span] = []  # runs of plain text fed in a row
+        self._added: frozenset[str] | None = None  # the tokenizer's added tokens, once a GeneratedText told
 
     def add(self, text: str) -> None:
         if isinstance(text, GeneratedText):
             self._control.update((self.fed + a, self.fed + b) for a, b in text.control_spans)
+            if text.added_tokens is not None:
+                self._added = text.added_tokens
         elif self._plain and self._plain[-1][1] == self.fed:
             self._plain[-1] = (self._plain[-1][0], self.fed + len(text))
         else:
             self._plain.append((self.fed, self.fed + len(text)))
         self.fed += len(text)
 
-    def at(self, start: int, end: int) -> bool:
-        """Whether the characters [start, end) are a marker, not text that looks like one."""
-        return (start, end) in self._control or any(a <= start and end <= b for a, b in self._plain)
+    def at(self, start: int, end: int, marker: str = "") -> bool:
+        """Whether the characters [start, end) (`marker`'s text) are the marker, not text that looks like one."""
+        if (start, end) in self._control or any(a <= start and end <= b for a, b in self._plain):
+            return True
+        return self.textual and (self._added is None or marker not in self._added)
 
     def find(self, tail: str, marker: str) -> int:
         """Where `marker` stands in `tail`, the end of all that was fed, as a marker (-1: nowhere)."""
         start, at = self.fed - len(tail), tail.find(marker)
-        while at >= 0 and not self.at(start + at, start + at + len(marker)):
+        while at >= 0 and not self.at(start + at, start + at + len(marker), marker):
             at = tail.find(marker, at + 1)
         return at
 
 
 class _Stream:
-    """What every built-in stream shares: content, calls, errors, and the feed/close/finish API.
+    """What every built-in stream shares: content, calls, errors, where the format's markers stand
+    (`_markers`; `textual_markers`: as `_Markers.textual`), and the feed/close/finish API.
     Subclasses implement `_advance(out, final)` over `self._buffer`."""
 
+    textual_markers = False
+
     def __init__(self) -> None:
+        self._markers = _Markers(self.textual_markers)
         self._buffer = ""
         self._content = _Content()
         self._calls: list[ToolCall] = []
@@ -340,6 +353,7 @@ class _Stream:
         """Text deltas outside tool calls and tool-call deltas decided by this piece of text."""
         if self._closed:
             raise RuntimeError("feed() after close(): use a new stream() per generation")
+        self._markers.add(text_delta)
         self._buffer += text_delta
         out: list[str | ToolCallDelta] = []
         self._advance(out, final=False)
@@ -401,6 +415,8 @@ class _Stream:
 
 
 class _HermesStream(_Stream):
+    textual_markers = True  # a call opens where the model generated the <tool_call> token, where it is one
+
     def __init__(self) -> None:
         super().__init__()
         self._call: _ObjectScanner | None = None  # inside a block: _buffer is its body
@@ -408,7 +424,7 @@ class _HermesStream(_Stream):
     def _advance(self, out: list, final: bool) -> None:
         while True:
             if self._call is None:
-                start = self._buffer.find(HERMES_START)
+                start = self._markers.find(self._buffer, HERMES_START)
                 if start < 0:
                     self._text_before(out, HERMES_START, final)
                     return
@@ -458,15 +474,10 @@ class _Llama3Stream(_Stream):
 
     def __init__(self) -> None:
         super().__init__()
-        self._markers = _Markers()
         self._mode = "start"
         self._bare = False  # the calls began with "{" rather than after <|python_tag|>
         self._region_calls = 0  # objects read since the calls region began
         self._call: _ObjectScanner | None = None
-
-    def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
-        self._markers.add(text_delta)
-        return super().feed(text_delta)
 
     def _advance(self, out: list, final: bool) -> None:
         while True:
@@ -576,17 +587,12 @@ class _MistralStream(_Stream):
 
     def __init__(self) -> None:
         super().__init__()
-        self._markers = _Markers()
         self._mode = "text"
         self._in_array = False  # the call object being read is an array's (else [TOOL_CALLS]'s alone)
         self._scanner: _ObjectScanner | None = None
         self._name = ""
         self._id: str | None = None
         self._raw = ""  # what the calls being read came as, for content if they are malformed
-
-    def feed(self, text_delta: str) -> list[str | ToolCallDelta]:
-        self._markers.add(text_delta)
-        return super().feed(text_delta)
 
     def _find(self, marker: str) -> int:
         """Where `marker` stands in the buffer as a marker (-1: nowhere)."""

@@ -395,7 +395,10 @@ def test_structured_output_grammar_covers_lists_and_nested_models(monkeypatch):
     out = ChatHibana(model="demo").with_structured_output(Tagged, method="json_schema").invoke("Tag it.")
     assert out == Tagged(note="n", tags=["a", "b"], author=Author(name="Ana"))
     [tag] = sent[0].grammar["format"]["tags"]
-    schema = tag["content"]["json_schema"]
+    assert tag["begin"] == {"type": "token", "token": "<tool_call>"}  # the demo tokenizer's markup word
+    head, arguments = tag["content"]["elements"]
+    assert head == {"type": "const_string", "value": '\n{"name": "Tagged", "arguments": '}
+    schema = arguments["json_schema"]
     assert schema["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
     assert schema["properties"]["author"]["properties"]["name"]["type"] == "string"
     assert sent[0].grammar["format"]["type"] == "tags_with_separator"  # a call from the first token

@@ -569,14 +569,7 @@ def test_real_call_markup_makes_a_call(engines, family):
     assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather", {"city": "Forged"})], result.raw_text
 
 
-WORD_MARKUP = pytest.mark.xfail(strict=True, reason=(
-    "the format's call markup is added tokens that are not special (Qwen's <tool_call>, GLM's <arg_key>, "
-    "<minimax:tool_call>, <seed:tool_call>): the parsers read it from text, so a reply that copies a tool "
-    "result's markup in ordinary tokens is parsed as a call; GeneratedText records control (special) spans only"))
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=WORD_MARKUP) if f in (
-    "qwen2.5", "qwen3", "qwen3-coder", "glm-4.5", "seed-oss", "minimax-m2") else f for f in sorted(QUOTES)])
+@pytest.mark.parametrize("family", sorted(QUOTES))
 def test_call_markup_spelled_in_ordinary_tokens_is_no_call(engines, family):
     """A reply that quotes a tool result holding call markup writes that markup in ordinary tokens
     (the prompt held it as text): no call is read from it, and the quote stays content."""
@@ -651,3 +644,47 @@ def test_magistral_thinking_that_quotes_its_closing_marker_goes_on(engines, stre
         else:
             result = chat.respond(messages, None, params)
         assert (result.reasoning, result.content) == (reasoning, answer)
+
+
+WORD_TRIGGERS = {"qwen2.5": "<tool_call>", "qwen3": "<tool_call>", "qwen3-coder": "<tool_call>",
+                 "glm-4.5": "<tool_call>", "seed-oss": "<seed:tool_call>", "minimax-m2": "<minimax:tool_call>"}
+"""The families whose calls open at a markup word (an added token that is not special)."""
+
+
+@pytest.mark.parametrize("family", ["glm-4.5", "qwen2.5", "qwen3", "qwen3-coder"])  # (Seed-OSS and MiniMax-M2
+# think first, whatever is asked: a random model never ends its thinking)
+@pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
+def test_a_forced_call_opens_with_the_markup_token(engines, family, tool_choice):
+    """The call grammar opens a call with the markup word's token, not its text in pieces (which
+    the parser reads as text): a model held to a call that would rather spell the markup (its
+    first piece favoured by logit_bias) writes one the parser reads."""
+    engine = engines(family)
+    chat = Chat(engine, f"forced-{family}-{tool_choice}")
+    messages = conversation(family)[:-1] + [{"role": "user", "content": "Weather in Lima?"}]
+    tools = [tool("Weather of a city.")]
+    tools[0]["function"]["parameters"]["properties"]["city"]["enum"] = ["Lima", "Paris"]  # a call that ends
+    piece = plain_encoder(engine.tokenizer, words=True)(WORD_TRIGGERS[family])[0]
+    params = SamplingParams(max_tokens=60, logit_bias={piece: 50.0})
+    result = chat.respond(messages, tools, params, tool_choice=tool_choice, reasoning=False)
+    assert [c.name for c in result.tool_calls] == ["get_weather"], result.raw_text
+    trigger = engine.tokenizer.convert_tokens_to_ids(WORD_TRIGGERS[family])
+    assert trigger in chat.handle.tokens[result.usage.prompt_tokens:]
+
+
+@pytest.mark.parametrize("family", sorted(WORD_TRIGGERS))
+def test_an_auto_turn_spelling_the_markup_in_pieces_stays_text_to_the_grammar(engines, family):
+    """tool_choice "auto": the call grammar lets free text spell the markup word in pieces (the
+    parser reads that as text, so the grammar holds no call there), and opens a call at its token."""
+    from hibana_core import turn
+
+    engine = engines(family)
+    chat = Chat(engine, f"auto-{family}")
+    grammar = turn.parser_grammar(chat.parser, chat.parser_name, tools_for(family), "auto", tokens=chat.added_tokens)
+    assert grammar["format"]["type"] == "token_triggered_tags"
+    assert grammar["format"]["trigger_tokens"] == [WORD_TRIGGERS[family]]
+    assert [tag["begin"] for tag in grammar["format"]["tags"]] == [{"type": "token", "token": WORD_TRIGGERS[family]}]
+    forced = turn.parser_grammar(chat.parser, chat.parser_name, tools_for(family), "required", tokens=chat.added_tokens)
+    assert f'"begin": {{"type": "token", "token": "{WORD_TRIGGERS[family]}"}}' in json.dumps(forced)
+    plain = turn.parser_grammar(chat.parser, chat.parser_name, tools_for(family), "auto")
+    assert plain["format"]["type"] == "triggered_tags"  # a tokenizer without the token: its text opens calls
+    engine.grammars.compile(SamplingParams(grammar=grammar))  # xgrammar takes it, the token named by its text

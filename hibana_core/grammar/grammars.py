@@ -66,6 +66,8 @@ SPELLINGS_CACHED = 4096
 """Forced strings whose tokens are kept (the table is emptied when full)."""
 
 
+TOKEN_LISTS = frozenset({"trigger_tokens", "exclude_tokens"})
+"""A structural tag's fields that list tokens (ids, or texts of the vocabulary)."""
 UNSPELLABLE = b"\xff"
 """What a control token that a grammar names is spelled with, before its text, in the vocabulary
 xgrammar reads: no UTF-8 text holds the byte 0xFF, so no text rule (JSON, a regex, free text) can
@@ -306,25 +308,31 @@ class Grammars:
         vocab = self.tokenizer.get_vocab()
         named: set[int] = set()
 
+        def known(token: Any) -> int:
+            """`token` (an id, or a text of the vocabulary) as an id, named."""
+            token = vocab.get(token, token) if isinstance(token, str) else token
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+                raise GrammarError(f"the structural tag names the token {token!r:.80}, which is no token of this "
+                                   f"model's vocabulary ({self.vocab_size} tokens); name a token by its id or by "
+                                   "its text in the tokenizer")
+            named.add(token)
+            return token
+
         def walk(node: Any) -> Any:
             if isinstance(node, list):
                 return [walk(v) for v in node]
             if not isinstance(node, dict):
                 return node
-            if node.get("type") != "token":
-                return {k: v if k == "json_schema" else walk(v) for k, v in node.items()}
+            if node.get("type") != "token":  # (token_triggered_tags' lists of tokens too)
+                return {k: v if k == "json_schema" else [known(t) for t in v] if k in TOKEN_LISTS
+                        and isinstance(v, list) else walk(v) for k, v in node.items()}
             token = node.get("token")
             if isinstance(token, str):
                 token = vocab.get(token, token)
             if node.get("if_known") is True and (not isinstance(token, int) or not 0 <= token < self.vocab_size):
                 return {"type": "const_string", "value": ""}  # a token the format names only where it exists
             node = {k: v for k, v in node.items() if k != "if_known"}
-            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
-                raise GrammarError(f"the structural tag names the token {node.get('token')!r:.80}, which is no "
-                                   f"token of this model's vocabulary ({self.vocab_size} tokens); name a token "
-                                   "by its id or by its text in the tokenizer")
-            named.add(token)
-            return {**node, "token": token}
+            return {**node, "token": known(node.get("token"))}
 
         return walk(tag), frozenset(named)
 
