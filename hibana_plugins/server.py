@@ -67,7 +67,7 @@ from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaE
 from hibana_core.prompt import leading_specials
 from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
-from hibana_plugins.options import RELEASE_WAIT
+from hibana_plugins.options import LeaseHolder, lease_holder
 from hibana_plugins.openai_api import (STATE_HEADER, ApiError, ChatCall, ChatRequest, CompletionRequest,
                                        DetokenizeRequest, Reply, TextReply, TokenizeRequest, chat_call, choice_calls,
                                        context_exceeded, countable, json_text, named_state, parse_request, prompts_of,
@@ -561,7 +561,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                                          metrics, request.app.state.drain),
                                      media_type="text/event-stream", headers=headers)
         with metrics.in_flight.track_inprogress():
-            result = await unless_gone(request, rest(streams[0], firsts[0]))
+            result = await unless_gone(request, rest(streams[0], firsts[0]), servings)
         metrics.requests.labels(request.url.path, "200").inc()
         return await whole_reply(reply, [result], headers)
 
@@ -571,15 +571,17 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         first_token = asyncio.Event()  # the request's first token is timed once, as a streamed request's is
 
         async def whole(serving: Serving) -> turn.ChatResult:
-            deltas = turn.arun_batches(serving.open)
+            deltas = serving.batches()
             first = await first_delta(deltas, reply)
             if not first_token.is_set():
                 first_token.set()
                 metrics.ttft.observe(time.monotonic() - received)
             return await rest(deltas, first)
 
+        await all_held(servings)
         with metrics.in_flight.track_inprogress():  # the request once, however many turns it runs
-            outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True))
+            outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True),
+                                         servings)
         failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if failed:
             raise failed[0]
@@ -594,20 +596,12 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     async def started(request: Request, servings: "list[Serving]",
                       reply: Reply) -> "tuple[list[AsyncIterator[list[ChatDelta]]], list[list[ChatDelta]]]":
-        """The turns begun and their first deltas. A state the request names (`X-Hibana-State`) that
-        another call holds is waited for, up to `BUSY_WAIT` seconds, before the 409: a client that
-        closes a stream and at once continues the conversation finds the state let go a moment
-        later (the cancelled turn ends at the engine's next step); calls that overlap for longer
-        still get the 409."""
-        deadline = time.monotonic() + BUSY_WAIT
-        while True:
-            streams = [turn.arun_batches(serving.open) for serving in servings]
-            try:
-                return streams, await unless_gone(request, first_deltas(streams, reply))
-            except ApiError as exc:
-                if exc.code != "state_busy" or time.monotonic() + BUSY_POLL > deadline:
-                    raise
-            await unless_gone(request, asyncio.sleep(BUSY_POLL))
+        """The turns begun and their first deltas. A state the request names that a request whose
+        client has gone still holds is waited for (`all_held`); one that a request still being read
+        holds is a 409 at once (`X-Hibana-State`) or another state (`user`)."""
+        await all_held(servings)
+        streams = [serving.batches() for serving in servings]
+        return streams, await unless_gone(request, first_deltas(streams, reply), servings)
 
     async def first_deltas(streams: "list[AsyncIterator[list[ChatDelta]]]", reply: Reply) -> list[list[ChatDelta]]:
         """Each turn's first deltas (`first_delta`), the turns started at once. If one fails, or the
@@ -661,16 +655,45 @@ class Serving:
         self.chat, self.prompt, self.call, self.timeout, self.named = chat, prompt, call, timeout, named
         self.state_id = ""
         self.handle: "StateHandle | None" = None
+        self.holder: LeaseHolder | None = None  # the note of the state it holds (`held`)
+
+    async def held(self, caller: "asyncio.Task | None") -> None:
+        """Once a request whose client has gone no longer holds the state this one names
+        (`options.lease_holder`, as an adapter's async call: RELEASE_WAIT seconds at most): a client
+        that closes a stream and at once sends its next turn finds its state, and its KV, again,
+        rather than a 409 or, by `user`, a new state. A request still being read is not waited
+        for. `caller`: the request's task, done once its reply is sent or given up."""
+        self.holder = await lease_holder(self.chat.engine, self.call.state_id, caller)
+
+    async def batches(self) -> AsyncIterator[list[ChatDelta]]:
+        """The turn's deltas (`turn.arun_batches`), once `held`. Closed before its end (its client
+        gone, the request timeout, the server's shutdown) the turn is marked left at once: it is
+        cancelled, and its state let go in a worker thread, a moment later, which a request on
+        that state meanwhile waits for."""
+        deltas = turn.arun_batches(self.open)
+        try:
+            async for batch in deltas:
+                yield batch
+        finally:
+            self.leave()  # (after the turn's end its lease is let go already: no one reads the mark)
+            await deltas.aclose()
+
+    def leave(self) -> None:
+        """Mark the turn left by its client (`LeaseHolder.left`), before it is cancelled: a request
+        on its state waits for the release from now on, not only once the cancel has reached it."""
+        if self.holder is not None:
+            self.holder.left = True
 
     def open(self, stack: contextlib.ExitStack) -> "tuple[turn.TurnRun, Any]":
         call = self.call
         if self.named is not None and call.state_id is not None:
             # on `stack` first: called last, once the lease has let the state go
             stack.callback(self.ended, self.named.in_process(call.state_id))
-        run, handle = self.chat.opener(
+        open_turn = self.chat.opener(
             self.prompt, call.tools, call.params, lease=True, state_id=call.state_id, fallback=call.fallback,
             tool_choice=call.tool_choice, parse_tools=call.tools is not None,
-            parallel_tool_calls=call.parallel_tool_calls, timeout=self.timeout)(stack)
+            parallel_tool_calls=call.parallel_tool_calls, timeout=self.timeout)
+        run, handle = self.holder.open(open_turn, stack)
         self.state_id, self.handle = handle.id, handle
         return run, handle
 
@@ -729,6 +752,13 @@ class NamedStates:
             kept += 1
             with self._lock:  # in use (or not written): kept, as used now
                 self._order.setdefault(state_id, oldest)
+
+
+async def all_held(servings: "list[Serving]") -> None:
+    """`Serving.held` for each of a request's turns, all before any of them leases a state: its turns
+    (n choices, prompts) name one state, and a turn's note of it is no request gone to wait for."""
+    caller = asyncio.current_task()
+    await asyncio.gather(*(serving.held(caller) for serving in servings))
 
 
 def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> turn.ChatResult | None:
@@ -825,10 +855,13 @@ async def interleaved(firsts: list[list[ChatDelta]], streams: "list[AsyncIterato
             await stream.aclose()
 
 
-async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+async def unless_gone(request: Request, work: Awaitable[T], servings: "Sequence[Serving]" = ()) -> T:
     """`work`, cancelled if the client closes its connection first (Starlette stops a streamed
     reply whose client left, not a handler still computing): the turn is cancelled and its state
-    let go before this raises a 499 (nginx's "client closed request", for the metrics only)."""
+    let go before this raises a 499 (nginx's "client closed request", for the metrics only). The
+    turns of `servings` that `work` runs are marked left first (`Serving.leave`): the next turn a
+    client sends at once on their state waits for it (the cancel reaches the turn, and its lease
+    is let go, only after the turn's current wait, in a worker thread)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected(request))
     drain: Drain = request.app.state.drain
@@ -839,6 +872,8 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
         gone.cancel()
         drained.cancel()
         if not task.done():
+            for serving in servings:
+                serving.leave()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -876,11 +911,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-BUSY_WAIT = RELEASE_WAIT
-"""Seconds a request naming a busy state waits for it before its 409 (`started`): as long as an
-adapter's async call waits for a state its caller's stream left (`options.lease_holder`)."""
-BUSY_POLL = 0.05
-"""Seconds between its looks at the state (each tokenizes the prompt again)."""
 OFF_LOOP_BYTES = 1 << 16
 """A body larger than this is decoded and checked in a worker thread: 8 MB of JSON took seconds
 to decode, walk for its depth and validate, and on the event loop every other client's stream

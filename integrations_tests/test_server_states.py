@@ -4,7 +4,6 @@ state_dir. Prefix caching is off: a prompt's cached tokens come from its own sta
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.parse
 
@@ -16,6 +15,7 @@ httpx = pytest.importorskip("httpx")
 from hibana_core import Engine, SamplingParams  # noqa: E402
 from hibana_plugins import server  # noqa: E402
 from hibana_plugins.openai_api import STATE_HEADER  # noqa: E402
+from hibana_plugins.options import RELEASE_WAIT  # noqa: E402
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 
 
@@ -113,30 +113,26 @@ def test_a_busy_state_is_not_deleted(engine):
         assert delete(client, "busy-1").status_code == 200 and handle.closed
 
 
-def test_a_request_naming_a_held_state_waits_for_it_then_409s(engine, monkeypatch):
-    """A state a turn holds a moment longer (a stream its client just closed, whose turn ends at the
-    engine's next step) is waited for; one held past `BUSY_WAIT` is a 409 `state_busy`."""
+def test_a_request_naming_a_state_held_in_process_is_a_409_at_once(engine):
+    """A state a stream in process holds is no request whose client has gone (`options.lease_holder`):
+    a request naming it is a 409 `state_busy` at once, not after RELEASE_WAIT seconds; closed, the
+    stream lets the state serve again. (A stream its HTTP client closed is waited for:
+    test_server_busy_release.py.)"""
     with serving(engine, ServerConfig("demo")) as url, httpx.Client(base_url=url, timeout=120) as client:
         question = [{"role": "user", "content": "Weather in Oslo?"}]
         ask(client, question, header="held-1")
         handle = engine.open_state("held-1")
         events = handle.stream(SamplingParams(max_tokens=engine.max_model_len // 4, ignore_eos=True))
         next(events)  # generating on it
-        threading.Timer(0.5, events.close).start()
-        started = time.monotonic()
-        ask(client, question, header="held-1")  # served once the turn let the state go
-        assert 0.4 < time.monotonic() - started
-        monkeypatch.setattr(server, "BUSY_WAIT", 0.3)  # (well inside the turn below)
-        events = handle.stream(SamplingParams(max_tokens=engine.max_model_len // 4, ignore_eos=True))
-        next(events)
         try:
             started = time.monotonic()
             body = {"model": "demo", "messages": question, "max_tokens": 4}
             reply = client.post("/v1/chat/completions", json=body, headers={STATE_HEADER: "held-1"})
             assert reply.status_code == 409 and reply.json()["error"]["code"] == "state_busy"
-            assert server.BUSY_WAIT - 0.1 < time.monotonic() - started
+            assert time.monotonic() - started < RELEASE_WAIT / 2
         finally:
             events.close()
+        ask(client, question, header="held-1")
 
 
 def test_past_the_bound_the_least_recently_used_named_state_is_put_away_and_comes_back(engine):
