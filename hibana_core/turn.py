@@ -424,7 +424,8 @@ class Thinking:
         # start, thinking, after, answer; a template that closed the block (thinking switched off): all answer,
         # after the blank lines that follow a block (GLM's "<think></think>" leaves the model its "\n")
         self.mode = "thinking" if open_in_prompt else "after" if closed_in_prompt else "start"
-        self.held = written if open_in_prompt else ""  # (the prompt's lead-in: reasoning with the first piece)
+        # (the prompt's lead-in: reasoning with the first piece, which keeps its provenance joined to it)
+        self.held = GeneratedText(written) if open_in_prompt and written else ""
         self.reasoning = ""
         self._spaces = ""      # whitespace at the end of the thinking streamed so far, held back
         self._spoken = False   # whether any thinking was streamed (whitespace before it is dropped)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from hibana_plugins.hookspecs import ParsedOutput, ToolCallStream, hookimpl
 from hibana_plugins.tool_parsers import _accepted, _decode_call, _Decoded, _loads, _Stream, partial_tag_length
@@ -306,17 +306,20 @@ def _json(value: Any) -> str | None:
         return None
 
 
-def _block_end(block: str, opener: str = CALL_START, closer: str = CALL_END) -> int:
+def _block_end(block: str, opener: str = CALL_START, closer: str = CALL_END,
+               opens: Callable[[int], bool] = lambda at: True) -> int:
     """Where the `</tool_call>` (`closer`) that ends a call block (`block`: what follows its `<tool_call>`,
     `opener`) is, -1 while it is not there yet: the first after a call's `</function>`, so that a value's
     text (code) may hold `</tool_call>`, as the grammar lets it; the first one where the block is no call
     in this form, or where a call begins after it before that (a call that never closed its function: a
-    `<tool_call>` and its `<function=`; a value's text may hold `<tool_call>` alone, as a JSON string's)."""
+    `<tool_call>` and its `<function=`; a value's text may hold `<tool_call>` alone, as a JSON string's).
+    `opens(at)`: whether the `opener` text at `at` is the opener (the stream's `_opener_at`: its token,
+    where the tokenizer has one), not a value quoting call markup in ordinary tokens."""
     first = block.find(closer)
     if first < 0 or not block.lstrip().startswith(FUNCTION_START):
         return first
     next_call = block.find(opener, first)
-    while next_call >= 0 and not _CALL_BEGUN.match(block, next_call + len(opener)):
+    while next_call >= 0 and not (opens(next_call) and _CALL_BEGUN.match(block, next_call + len(opener))):
         next_call = block.find(opener, next_call + 1)
     at = first
     while at >= 0 and (next_call < 0 or at < next_call):
@@ -373,6 +376,11 @@ class _CallBlockStream(_Stream):
         """Where the `closer` ending `block` (what follows its `opener`) is; -1: not yet."""
         raise NotImplementedError
 
+    def _opener_at(self, block: str) -> Callable[[int], bool]:
+        """Whether the `opener` text at a position of `block` (the end of the text fed) is the opener."""
+        start = self._markers.fed - len(block)
+        return lambda at: self._markers.at(start + at, start + at + len(self.opener), self.opener)
+
     def _decode(self, body: str) -> _Decoded:
         """A whole block's call (`body`: between its tags)."""
         raise NotImplementedError
@@ -417,7 +425,7 @@ class _QwenXmlStream(_CallBlockStream):
     call; one cut before its `</function>` is a cut call."""
 
     def _block_end(self, block: str) -> int:
-        return _block_end(block)
+        return _block_end(block, opens=self._opener_at(block))
 
     def _decode(self, body: str) -> _Decoded:
         return decode_xml_call(body, self._types)

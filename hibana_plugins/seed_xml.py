@@ -91,7 +91,7 @@ class _SeedStream(_CallBlockStream):
     opener, closer = BLOCK_START, BLOCK_END
 
     def _block_end(self, block: str) -> int:
-        return _xml_block_end(block, BLOCK_START, BLOCK_END)
+        return _xml_block_end(block, BLOCK_START, BLOCK_END, self._opener_at(block))
 
     def _whole_block(self, out: list, body: str) -> None:
         block = _read_block(body, self._types)
