@@ -155,7 +155,9 @@ class CacheConfig:
     each open named state there when it closes, and `open_state(id)` finds the state again
     (its KV parked in the host tier, copied to the device at its next request, so nothing is
     recomputed). Files carry the model's fingerprint and a checksum; a damaged or foreign file
-    is a StateFileError for that `open_state` alone. Closing a state (`h.close()`) deletes its
+    is a StateFileError for that `open_state` alone. They and the spill files are their owner's
+    alone (0600; the folder too, 0700, where the engine makes it: one given keeps its mode), as
+    they hold the conversations. Closing a state (`h.close()`) deletes its
     file. A relative path is of the working directory where the config is made (the engine
     opened), whatever `os.chdir` comes after. None: states live as long as the engine."""
     eviction_policy: str = "tool_aware"

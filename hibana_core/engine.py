@@ -47,6 +47,7 @@ from hibana_core.kv.recurrent_cache import RecurrentCache, VerifyStash
 from hibana_core.kv.cache import KVCache, kv_cache_dtype
 from hibana_core.kv.layout import KVLayout
 from hibana_core.kv.sequence import LongRope
+from hibana_core.kv.state_file import PRIVATE_DIR
 from hibana_core import surgery
 from hibana_core.surgery.calibration import Calibration
 from hibana_core.loader import (LOAD_STAGES, check_max_model_len, context_limit, load_from_hf_model, load_model,
@@ -149,7 +150,8 @@ def _check_state_dir(state_dir) -> None:
     """A ConfigError, before the weights load, where `state_dir` cannot be made or written (it
     was said only after minutes of loading, where `_spill_folder` first writes there)."""
     try:
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        # made owner-only where it is made here (it keeps states' files); one that exists keeps its mode
+        Path(state_dir).mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=state_dir):
             pass
     except (OSError, UnicodeError) as exc:
@@ -166,7 +168,7 @@ def _spill_folder(state_dir) -> tuple[Path, Any]:
     and the lock it holds on it while it lives (`_owned`); the folders of engines that died
     without closing are removed here. A ConfigError where it cannot be made."""
     try:
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        Path(state_dir).mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)  # (as `_check_state_dir`)
         for stale in Path(state_dir).glob("spill-*-*"):
             if _abandoned(stale):
                 try:  # (another engine starting may have removed it meanwhile)
@@ -178,7 +180,7 @@ def _spill_folder(state_dir) -> tuple[Path, Any]:
                                    "closing; states are kept in state_dir only when their engine closes", stale,
                                    spilled)
                 shutil.rmtree(stale, ignore_errors=True)
-        folder = Path(tempfile.mkdtemp(prefix=f"spill-{os.getpid()}-", dir=state_dir))
+        folder = Path(tempfile.mkdtemp(prefix=f"spill-{os.getpid()}-", dir=state_dir))  # owner-only (0700)
         return folder, _owned(folder)
     except (OSError, UnicodeError) as exc:
         raise _unwritable(state_dir, exc) from None

@@ -203,7 +203,8 @@ class StateHandle:
         return self._registry.fork(self, new_id)
 
     def save(self, path) -> None:
-        """Write tokens and KV to a file that `engine.load_state` restores."""
+        """Write tokens and KV to a file that `engine.load_state` restores, owner-only (0600: it
+        holds the conversation; `state_file.save_private`)."""
         self._registry.save(self, path)
 
     def pin(self) -> None:

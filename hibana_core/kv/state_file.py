@@ -35,6 +35,14 @@ _CHECKED = ("format", "fingerprint", "state_id", "tokens", "num_computed", "bloc
 TMP_NAME_CHARS = 32  # of the state file's name in its temporary file's: 128 bytes at most, so that the temporary
 # name stays within a folder's 255 bytes a name wherever the state file's own does
 MAX_HEADER = 100 << 20  # bytes of a safetensors header at most (safetensors' own limit)
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+"""Modes of the files that hold a state (state files, spill files) and of the folders Hibana makes
+for them: their owner's alone, whatever the umask, as llama.cpp's slot files and ssh's keys are. A
+state's tokens are its whole conversation (every message and tool result), and text can be
+recovered from its KV. A folder the caller gave that already exists keeps its mode (its files
+are private all the same). Windows keeps only the read-only bit of a mode: there they are the
+folder's ACL's."""
 
 
 @dataclass(frozen=True)
@@ -130,12 +138,25 @@ def _metadata(data: bytes) -> dict:
     return json.loads(data[8:8 + length]).get("__metadata__") or {}
 
 
+def save_private(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file` to `path`, a file its owner alone can read (PRIVATE_FILE). The
+    file is made owner-only before the write, not after, so that no other user opens it in
+    between: safetensors < 0.8 writes into it in place, keeping its mode, 0.8 through an
+    owner-only file renamed onto it (neither through the umask's 0644 for a file made here). The
+    mode is set again after the write, whatever another version of safetensors did."""
+    from safetensors.torch import save_file
+
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE))
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, PRIVATE_FILE)  # (a file that was there kept its mode through O_CREAT)
+
+
 def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, block_size: int,
           kv: torch.Tensor, fingerprint: str, rotated_long: bool = False, starts: Sequence[int] = (0,),
           layout: KVLayout | None = None, configuration: dict | None = None,
           recurrent: dict[str, torch.Tensor] | None = None) -> None:
-    from safetensors.torch import save_file
-
+    """Write a state file at `path`, atomically (a temporary file beside it, renamed onto it) and
+    owner-only (`save_private`); a folder it makes for it is owner-only too (PRIVATE_DIR)."""
     try:
         is_dir = path.is_dir()
     except (OSError, UnicodeError, ValueError) as exc:
@@ -170,11 +191,11 @@ def write(path: Path, state_id: str, tokens: Sequence[int], num_computed: int, b
     metadata["checksum"] = _checksum(metadata, kv, recurrent=recurrent)
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         # a temporary file of this writer's own: engines sharing a state_dir may write one state at once
         handle, tmp = tempfile.mkstemp(prefix=path.name[:TMP_NAME_CHARS] + ".", suffix=".tmp", dir=path.parent)
         os.close(handle)
-        save_file(tensors, tmp, metadata=metadata)
+        save_private(tensors, Path(tmp), metadata)  # owner-only before the rename: the state file is never else
         os.replace(tmp, path)  # never leave a half-written state file behind
         tmp = None
     # no room, no right, a name the OS refuses (safetensors reports a failed write as a SafetensorError)

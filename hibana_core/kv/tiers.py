@@ -56,6 +56,7 @@ from hibana_core.kv.block_pool import BlockPool
 from hibana_core.kv.cache import KVCache
 from hibana_core.kv.recurrent_cache import STATE_TENSORS, RecurrentCache, file_tensors, from_file_tensors
 from hibana_core.kv.sequence import KVSequence, common_prefix_len
+from hibana_core.kv.state_file import PRIVATE_DIR, save_private
 from hibana_core.kv.transfers import CopyStream, PinnedReserve, Transfer, device_tensor
 
 logger = logging.getLogger("hibana.states")
@@ -154,8 +155,8 @@ class HostTier:
         self.copies = copies  # where its copies run (a side stream on a discrete GPU)
         self._copying: list[Transfer] = []  # copies whose time is not counted yet (still in flight)
         self.spill_dir = spill_dir
-        if spill_dir is not None:
-            spill_dir.mkdir(parents=True, exist_ok=True)
+        if spill_dir is not None:  # its files hold states' conversations: owner-only, as state files (PRIVATE_DIR)
+            spill_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         self.pinned = cache.data.device.type == "cuda"
         self.reserve = PinnedReserve(budget_bytes) if self.pinned else None  # pinned off the step loop
         self._parked: OrderedDict[int, weakref.ref] = OrderedDict()  # id(seq) -> seq, least recent first
@@ -481,8 +482,8 @@ class HostTier:
         kv = kv.contiguous()
         tensors = {"kv": kv, **(file_tensors(recurrent) if recurrent is not None else {})}
         try:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)  # (removed while the engine runs: made again)
-            safetensors.torch.save_file(tensors, str(path))
+            self.spill_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)  # (removed meanwhile: made again)
+            save_private(tensors, path)  # owner-only, as a state file: it holds the state's KV
         except Exception as exc:  # noqa: BLE001 - a disk that takes no more: the copy is dropped, not the step
             logger.warning("cannot write a spill file in %s (%s)", self.spill_dir, exc)
             _remove(path)
