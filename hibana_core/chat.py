@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequen
 
 from hibana_core import prompt, turn
 from hibana_core.config import MAX_DRAFT_TOKENS, SamplingParams
-from hibana_core.detokenizer import token_bytes
+from hibana_core.detokenizer import finished_end, token_bytes
 from hibana_core.token_floor import TokenFloor, token_floor
 from hibana_core.errors import (CheckpointError, ConfigError, ContextLengthError, HibanaError, InvalidTokenError,
                                 StateBusyError, StateClosedError)
@@ -86,6 +86,28 @@ class TokenIds(tuple):
             raise InvalidTokenError(f"token ids must be integers, got {bad[0]!r:.40}; tokenize with this model's "
                                     "tokenizer")
         return super().__new__(cls, ids)
+
+
+class LedText(str):
+    """A prompt given as text that the tokenizer's lead tokens go before (its BOS, where it adds
+    one: `prompt.leading_specials`; a completions prompt whose text does not write it): its tokens
+    are the lead's, then the text's own, encoded alone as the tokenizer encodes it. Kept as text,
+    not turned into those ids, so that a state is continued on the text its tokens spell, the
+    lead left out, as a prompt without a lead is (`Chat.continues`, `Chat.prompt_ids`): a reply
+    whose tokens the text re-tokenizes otherwise (a merge across the turn's seam, a byte-fallback
+    piece) would otherwise leave its state unused."""
+
+    lead: tuple[int, ...] = ()
+
+    def __new__(cls, text: str, lead: Sequence[int]) -> "LedText":
+        led = super().__new__(cls, text)
+        led.lead = tuple(lead)
+        return led
+
+
+def _lead_of(prompt: "str | TokenIds") -> tuple[int, ...]:
+    """The lead tokens before a prompt's text (`LedText`); none for any other prompt."""
+    return getattr(prompt, "lead", ())
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -183,7 +205,7 @@ class Chat:
         """The text of every added token, special or not, that the detokenizer marks where the model
         generates it (`GeneratedText.added_tokens`: a call's opening tag is read there only)."""
         self._plain: dict[str, Callable[[str], list[int]]] = {}   # built on first hostile content, shared by `on`
-        self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (logprobs), built on first use
+        self._token_bytes: Callable[[int], bytes] | None = None  # a token id's raw bytes (`_raw_bytes`), once used
         self._spelt: dict[int, tuple[str, bytes]] = {}  # token id -> its text and bytes in logprobs, as first spelt
         self._roles: dict[str, bool] = {}     # roles outside KNOWN_ROLES: whether the template renders them
         self._tools_rendered: bool | None = None  # whether the template renders tools (probed on first use)
@@ -280,12 +302,14 @@ class Chat:
             raise
 
     def continues(self, held: Sequence[int], prompt: "str | TokenIds", reasoning_history: str = "template") -> bool:
-        """Whether `prompt` (rendered text, or token ids) goes on from a state's conversation: holds
-        it up to its last reply, which a re-render may spell differently. Taking over a state that
-        merely shares the system prompt and tools would throw another conversation away. Replies
-        whose thinking the template left out are this conversation's under either policy (under
-        "template" `prompt_ids` recomputes from the first dropped block; a new state left this one
-        behind, unused, at every user turn after a tool loop): `reasoning_history` changes nothing."""
+        """Whether `prompt` (rendered text, text after its lead, or token ids) goes on from a state's
+        conversation: holds it up to its last reply, which a re-render may spell differently (a
+        `LedText`: the state's text past the lead it holds, which a re-tokenized reply's seam or
+        byte-fallback pieces leave as it is). Taking over a state that merely shares the system
+        prompt and tools would throw another conversation away. Replies whose thinking the
+        template left out are this conversation's under either policy (under "template"
+        `prompt_ids` recomputes from the first dropped block; a new state left this one behind,
+        unused, at every user turn after a tool loop): `reasoning_history` changes nothing."""
         ends = [i + 1 for i, token in enumerate(held) if token in self._message_ends]
         if ends and ends[-1] == len(held):
             ends.pop()  # the end of the last reply
@@ -297,7 +321,13 @@ class Chat:
         needed = ends[-1] if ends else self._last_reply_start(held)
         if isinstance(prompt, TokenIds):
             return list(prompt[:needed]) == list(held[:needed])
-        held_text = self.engine.tokenizer.decode(held[:needed], skip_special_tokens=False)
+        lead = _lead_of(prompt)  # a text after its lead: the state's text is what follows the lead it holds
+        if tuple(held[:len(lead)]) != lead:
+            return False
+        held_text = decode(held[len(lead):needed], skip_special_tokens=False)
+        if needed == len(held) and held_text.endswith(LOSSY):  # a reply that max_tokens cut inside a character:
+            # its text, as its client got it, ends before that character's first bytes
+            held_text = decode(held[len(lead):finished_end(held, self._raw_bytes())], skip_special_tokens=False)
         if prompt.startswith(held_text):
             return True
         return self.thinks and self._without_thinking(prompt)[0].startswith(self._without_thinking(held_text)[0])
@@ -581,10 +611,11 @@ class Chat:
 
     def prompt_ids(self, messages: "Sequence[dict] | str | TokenIds", tools: Sequence[dict] | None = None,
                    reasoning_history: str = "template") -> list[int]:
-        """What `respond` syncs: the rendered prompt (`messages` may be rendered text already; token
-        ids are the prompt as they are), except that the state's own tokens are kept up to the last
-        end-of-turn token where they still spell the prompt's text, and only the rest is tokenized.
-        A model may spell a word in other tokens than the tokenizer would (an unseen name copied
+        """What `respond` syncs: the rendered prompt (`messages` may be rendered text already, or text
+        after its lead, `LedText`; token ids are the prompt as they are), except that the state's
+        own tokens are kept up to the last end-of-turn token where they still spell the prompt's
+        text (a `LedText`'s past the lead the state holds), and only the rest is tokenized. A
+        model may spell a word in other tokens than the tokenizer would (an unseen name copied
         piece by piece); re-tokenizing would recompute everything after it. Held tokens are never
         kept where one of their control tokens would stand for a message content's text.
 
@@ -597,7 +628,9 @@ class Chat:
         if isinstance(messages, str):
             check_text(messages, "the prompt")
         text = messages if isinstance(messages, str) else self.render_text(messages, tools)
+        lead = _lead_of(text)  # a text after its lead (`LedText`): the state's tokens past the lead it holds
         held = self.handle.tokens if self.handle is not None else []
+        held = held[len(lead):] if tuple(held[:len(lead)]) == lead else []
         ends = [i + 1 for i, token in enumerate(held) if token in self._reply_ends]
         generated = reasoning_history == "generated" and self.thinks and not prompt.spans_of(text)
         stripped, positions = self._without_thinking(text) if generated else (text, [])
@@ -609,11 +642,12 @@ class Chat:
                 kept, at = end, len(held_text)
                 if end == ends[-1]:
                     kept, at = self._stopped_reply(held, end, text, at)
-                return held[:kept] + self._encode_fitting(text, at, kept, held[kept - 1])
+                return [*lead, *held[:kept], *self._encode_fitting(text, at, len(lead) + kept, held[kept - 1])]
             bare = self._without_thinking(held_text)[0] if generated else ""
             if bare and stripped.startswith(bare):  # the prompt left this reply's thinking out
-                return held[:end] + self._encode_fitting(text, positions[len(bare) - 1] + 1, end, held[end - 1])
-        return self._encode_fitting(text)
+                return [*lead, *held[:end], *self._encode_fitting(text, positions[len(bare) - 1] + 1, len(lead) + end,
+                                                                  held[end - 1])]
+        return [*lead, *self._encode_fitting(text, kept=len(lead))]
 
     def _stopped_reply(self, held: Sequence[int], end: int, text: str, at: int) -> tuple[int, int]:
         """How many of the state's tokens to keep, and where in `text` the rest starts, when the
@@ -657,11 +691,13 @@ class Chat:
         return True
 
     def prompt_tokens(self, prompt: "str | TokenIds") -> list[int]:
-        """A call's prompt as token ids: rendered text tokenized (`_encode`), or token ids checked
-        as `StateHandle.sync` checks them (InvalidTokenError outside the vocabulary)."""
+        """A call's prompt as token ids: rendered text tokenized (`_encode`; a `LedText` after its
+        lead), or token ids checked as `StateHandle.sync` checks them (InvalidTokenError outside
+        the vocabulary)."""
         if not isinstance(prompt, TokenIds):
             check_text(prompt, "the prompt")
-            return self._encode_fitting(prompt)
+            lead = _lead_of(prompt)
+            return [*lead, *self._encode_fitting(prompt, kept=len(lead))]
         if len(prompt) > self.engine.max_model_len:  # before each id is checked (10M ids: seconds, twice)
             raise ContextLengthError(f"{len(prompt)} tokens exceed the model's context of {self.engine.max_model_len}; "
                                      "shorten the history (the state is unchanged)")
@@ -777,9 +813,7 @@ class Chat:
         """Token log-probabilities in OpenAI's shape, as `openai_logprobs` gives a result's (a
         streamed delta's: `ChatDelta.logprobs`)."""
         tokenizer = self.engine.tokenizer
-        if self._token_bytes is None:
-            self._token_bytes = token_bytes(tokenizer)
-        raw = self._token_bytes
+        raw = self._raw_bytes()
 
         def entry(token_id: int, logprob: float) -> dict:
             if token_id not in self._spelt:  # (a decode each: 1,000 tokens' top 20 took 1.9 s of 2.6)
@@ -788,6 +822,12 @@ class Chat:
             return {"token": text, "bytes": list(spelt), "logprob": logprob}
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                 for lp in logprobs]
+
+    def _raw_bytes(self) -> Callable[[int], bytes]:
+        """A token id's raw bytes (`token_bytes`), built on first use."""
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes(self.engine.tokenizer)
+        return self._token_bytes
 
     def _markup(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))

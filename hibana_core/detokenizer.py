@@ -138,7 +138,20 @@ def _context(tokenizer: Any, history: Sequence[int]) -> tuple[list[int], int]:
     start = max(0, len(history) - _CONTEXT_TOKENS)
     if "\ufffd" not in tokenizer.decode(history[start:], skip_special_tokens=False):
         return list(history[start:]), len(history) - start
-    pieces = [token_bytes(tokenizer)(t) for t in history[-3:]]  # an unfinished character has at most 3 bytes
+    end = finished_end(history, token_bytes(tokenizer))
+    for _ in range(3):  # a UTF-8 character has at most 3 bytes after its first
+        if start == 0 or not tokenizer.decode(history[start:end], skip_special_tokens=False).startswith("\ufffd"):
+            break
+        start -= 1
+    return list(history[start:]), end - start
+
+
+def finished_end(history: Sequence[int], raw: Callable[[int], bytes]) -> int:
+    """How many of `history`'s tokens there are up to its last finished character: the last few
+    tokens left out where they hold the first bytes of a character they do not finish (a reply
+    that max_tokens cut inside it), which decode as U+FFFD and are text only with the tokens that
+    finish it. `raw`: a token id's bytes (`token_bytes`)."""
+    pieces = [raw(t) for t in history[-3:]]  # an unfinished character has at most 3 bytes
     tail = b"".join(pieces)
     unfinished = 0  # bytes at the end of the history that begin a character they do not finish
     for back in range(1, min(4, len(tail)) + 1):
@@ -151,11 +164,7 @@ def _context(tokenizer: Any, history: Sequence[int]) -> tuple[list[int], int]:
     while unfinished > 0:
         end -= 1
         unfinished -= len(pieces[end - len(history)])
-    for _ in range(3):  # a UTF-8 character has at most 3 bytes after its first
-        if start == 0 or not tokenizer.decode(history[start:end], skip_special_tokens=False).startswith("\ufffd"):
-            break
-        start -= 1
-    return list(history[start:]), end - start
+    return end
 
 
 def _undecodable(what: str, exc: Exception, remedy: str) -> CheckpointError:

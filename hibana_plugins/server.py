@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from hibana_core import turn
-from hibana_core.chat import Chat, TokenIds
+from hibana_core.chat import Chat, LedText, TokenIds
 from hibana_core.cli import add_device_arguments
 from hibana_core.config import MAX_JSON_DEPTH, nests_deeper
 from hibana_core.engine_core import STEP_TIME_BUCKETS
@@ -406,14 +406,22 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
 
     def with_lead(prompt: "str | TokenIds") -> "str | TokenIds":
         """A completions prompt given as text, with the tokenizer's BOS in front where it adds one and
-        the text does not already start with it (as vLLM's and llama.cpp's completions do): then as
-        token ids, the BOS's before the text's own (the text encoded alone, as the tokenizer would:
-        after a BOS written as text, a SentencePiece tokenizer loses the first word's "▁"). Token ids
-        are the prompt as given."""
+        the text's tokens do not already start with it (as vLLM's and llama.cpp's completions do):
+        a `LedText`, whose tokens are the BOS's, then the text's own (the text encoded alone, as the
+        tokenizer would: after a BOS written as text, a SentencePiece tokenizer loses the first
+        word's "▁"). Kept as text, so that the next turn's text continues the state on its text, as
+        a prompt without a BOS does (as token ids, a reply that its text re-tokenizes otherwise left
+        the state unused). A text whose tokens start with the BOS is the prompt as given, and so
+        are token ids. Past the model's context: a ContextLengthError here, which /tokenize gives too."""
         if not lead or isinstance(prompt, TokenIds):
             return prompt
         ids = text_chat.prompt_tokens(prompt)
-        return TokenIds(ids if tuple(ids[:len(lead)]) == lead else [*lead, *ids])
+        writes_lead = tuple(ids[:len(lead)]) == lead
+        count = len(ids) + (0 if writes_lead else len(lead))
+        if count > engine.max_model_len:
+            raise ContextLengthError(f"the prompt is {count} tokens, the tokenizer's BOS included, more than the "
+                                     f"model's context of {engine.max_model_len}; shorten it")
+        return prompt if writes_lead else LedText(prompt, lead)
 
     def chat_prompt(parsed: ChatRequest, state: str | None) -> tuple[ChatCall, str]:
         """A chat request's call and its rendered prompt (both chat endpoints')."""
@@ -578,7 +586,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
                 metrics.ttft.observe(time.monotonic() - received)
             return await rest(deltas, first)
 
-        await all_held(servings)
+        await all_held(request, servings)
         with metrics.in_flight.track_inprogress():  # the request once, however many turns it runs
             outcomes = await unless_gone(request, asyncio.gather(*map(whole, servings), return_exceptions=True),
                                          servings)
@@ -599,7 +607,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         """The turns begun and their first deltas. A state the request names that a request whose
         client has gone still holds is waited for (`all_held`); one that a request still being read
         holds is a 409 at once (`X-Hibana-State`) or another state (`user`)."""
-        await all_held(servings)
+        await all_held(request, servings)
         streams = [serving.batches() for serving in servings]
         return streams, await unless_gone(request, first_deltas(streams, reply), servings)
 
@@ -754,11 +762,13 @@ class NamedStates:
                 self._order.setdefault(state_id, oldest)
 
 
-async def all_held(servings: "list[Serving]") -> None:
+async def all_held(request: Request, servings: "list[Serving]") -> None:
     """`Serving.held` for each of a request's turns, all before any of them leases a state: its turns
-    (n choices, prompts) name one state, and a turn's note of it is no request gone to wait for."""
+    (n choices, prompts) name one state, and a turn's note of it is no request gone to wait for. The
+    notes name the request's task (the wait runs in a task of its own, `unless_gone`'s, which is
+    done once it ends); a client that leaves meanwhile is gone at once."""
     caller = asyncio.current_task()
-    await asyncio.gather(*(serving.held(caller) for serving in servings))
+    await unless_gone(request, asyncio.gather(*(serving.held(caller) for serving in servings)))
 
 
 def result_in(batch: list[ChatDelta], result: turn.ChatResult | None = None) -> turn.ChatResult | None:

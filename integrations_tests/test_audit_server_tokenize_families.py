@@ -16,7 +16,9 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from hibana_core import Engine  # noqa: E402
+from hibana_core.chat import Chat, LedText  # noqa: E402
 from hibana_core.prompt import leading_specials  # noqa: E402
+from hibana_plugins.openai_api import STATE_HEADER  # noqa: E402
 from hibana_plugins.server import ServerConfig, serving  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -209,27 +211,65 @@ def test_a_long_text_prompt_near_the_context(servers):
     assert status == 200 and got["count"] == limit
 
 
-CONTINUED = pytest.mark.xfail(strict=True, reason=(
-    "a BOS tokenizer's text prompt becomes token ids in server.with_lead, so Chat.continues compares the "
-    "resident state's tokens (prompt + generated) with the re-tokenized text token by token: a completion "
-    "whose text does not re-tokenize to the tokens generated (a byte-fallback piece, a merge across the "
-    "turn's seam) leaves the state unused, a new state sharing only whole KV blocks (cached 0 or a block "
-    "multiple). A text prompt without a BOS (Qwen's) stays text and continues on the decoded text"))
+def _completion(client, prompt: str, state: str | None = None):
+    """A greedy completion of `prompt` (on the state named `state`, where given): the id of the
+    state that served it, and the completion."""
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=6, extra_body=GREEDY,
+                                                      extra_headers={STATE_HEADER: state} if state else None)
+    return raw.headers[STATE_HEADER], raw.parse()
 
 
-@pytest.mark.parametrize("family", ["qwen2.5", pytest.param("llama3", marks=CONTINUED),
-                                    pytest.param("sentencepiece", marks=CONTINUED)])
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3", "sentencepiece"])
 def test_a_multi_turn_text_conversation_reuses_the_resident_state(servers, family):
+    """A text prompt that goes on from the last turn's (its prompt, the reply's text, more words)
+    continues that turn's state on its text, a BOS tokenizer's too (`LedText`): the whole first
+    prompt is reused, though the reply's tokens re-tokenize otherwise (byte-fallback pieces, a
+    character max_tokens cut), the BOS is the first turn's, and the reply is a fresh state's."""
     engine, url, bos = servers(family)
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     first = prompt = "the cat sat on the mat and then"
+    want = call(url, "/tokenize", {"prompt": first})[1]["tokens"]  # the BOS in front where the tokenizer adds one
+    served = None
     for turn in range(2):
-        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, extra_body=GREEDY)
-        details = reply.usage.prompt_tokens_details
-        cached = details.cached_tokens if details else 0
-        if turn:  # the whole first prompt is the resident state's (as a text prompt without BOS gets)
-            assert cached >= len(engine.tokenizer.encode(first)), (family, reply.usage)
-        prompt = prompt + reply.choices[0].text + " and the"
+        state, reply = _completion(client, prompt)
+        if turn:
+            assert state == served and reply.usage.prompt_tokens_details.cached_tokens >= len(want), \
+                (family, reply.usage)
+            assert reply.choices[0].text == _completion(client, prompt, f"fresh-{family}")[1].choices[0].text
+        assert engine.open_state(state).tokens[:len(want)] == want
+        served, prompt = state, prompt + reply.choices[0].text + " and the"
+
+
+@pytest.mark.parametrize("family", ["llama3", "sentencepiece"])
+def test_a_text_prompt_that_edits_the_earlier_text_is_not_continued(servers, family):
+    """A text prompt that does not hold the state's text past its BOS (an edited prompt, a reply
+    written otherwise) goes to another state, and its reply is a fresh state's."""
+    engine, url, bos = servers(family)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    first = "the cat sat on the mat and then"
+    served, reply = _completion(client, first)
+    for k, edited in enumerate([first.replace("cat", "dog") + reply.choices[0].text + " and the",
+                                first + " a bird sang and the"]):
+        state, got = _completion(client, edited)
+        assert state != served, edited
+        fresh = _completion(client, edited, f"edited-{family}-{k}")[1]
+        assert got.choices[0].text == fresh.choices[0].text, edited
+        want = call(url, "/tokenize", {"prompt": edited})[1]["tokens"]
+        assert engine.open_state(state).tokens[:len(want)] == want  # its own BOS, the edited text after it
+
+
+def test_a_led_text_continues_a_state_cut_inside_a_character_on_the_text_before_it(servers):
+    """max_tokens may cut a reply inside a character, whose text its client gets only with the
+    character's last byte (the detokenizer waits for it): a text prompt goes on from the text
+    before it. A state without the BOS is no led text's."""
+    engine, url, bos = servers("llama3")
+    chat, lead = Chat(engine), leading_specials(engine.tokenizer)
+    cut = engine.tokenizer.encode("the cat 中", add_special_tokens=False)[:-1]
+    assert engine.tokenizer.decode(cut).endswith("\ufffd")
+    held = [*lead, *cut]
+    assert chat.continues(held, LedText("the cat and the mat", lead))
+    assert not chat.continues(held, LedText("the dog and the mat", lead))
+    assert not chat.continues(cut, LedText("the cat and the mat", lead))
 
 
 @pytest.mark.xfail(strict=True, reason=(
