@@ -92,23 +92,16 @@ def next_turn(client: httpx.Client, text: str, **named) -> httpx.Response:
     return client.post("/v1/chat/completions", json=body, headers=headers)
 
 
-def test_the_next_turn_after_a_stream_its_client_closed_gets_the_named_state(client, slow_release):
-    """The client closes a stream on the state its header names and at once sends the next turn:
-    the request waits for the cut turn to let the state go, and reuses its KV."""
-    text = streamed_then_cut(client, header="cut-header-1")
-    reply = next_turn(client, text, header="cut-header-1")
+@pytest.mark.parametrize("by", ["header", "user"])
+def test_the_next_turn_after_a_stream_its_client_closed_gets_its_state(client, slow_release, by):
+    """The client closes a stream on the state its header (or its `user` field) names and at once
+    sends the next turn: the request waits for the cut turn to let the state go, and reuses its KV
+    (by `user`, rather than going to a new state, whose prompt is all computed again)."""
+    name = f"cut-{by}-1"
+    text = streamed_then_cut(client, **{by: name})
+    reply = next_turn(client, text, **{by: name})
     assert reply.status_code == 200, reply.text
-    assert reply.headers[STATE_HEADER] == "cut-header-1"
-    assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-
-
-def test_the_next_turn_after_a_stream_its_client_closed_gets_the_users_state(client, slow_release):
-    """As by the header, by the `user` field: the next turn waits for its user's state rather than
-    going to a new state (whose prompt is all computed again) while the cut turn still holds it."""
-    text = streamed_then_cut(client, user="cut-user-1")
-    reply = next_turn(client, text, user="cut-user-1")
-    assert reply.status_code == 200, reply.text
-    assert reply.headers[STATE_HEADER] == "cut-user-1"
+    assert reply.headers[STATE_HEADER] == name
     assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
