@@ -412,15 +412,10 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         word's "▁"). Kept as text, so that the next turn's text continues the state on its text, as
         a prompt without a BOS does (as token ids, a reply that its text re-tokenizes otherwise left
         the state unused). A text whose tokens start with the BOS is the prompt as given, and so
-        are token ids. Past the model's context: a ContextLengthError here, which /tokenize gives too."""
+        are token ids."""
         if not lead or isinstance(prompt, TokenIds):
             return prompt
-        ids = text_chat.prompt_tokens(prompt)
-        writes_lead = tuple(ids[:len(lead)]) == lead
-        count = len(ids) + (0 if writes_lead else len(lead))
-        if count > engine.max_model_len:
-            raise ContextLengthError(f"the prompt is {count} tokens, the tokenizer's BOS included, more than the "
-                                     f"model's context of {engine.max_model_len}; shorten it")
+        writes_lead = tuple(text_chat.prompt_tokens(prompt)[:len(lead)]) == lead
         return prompt if writes_lead else LedText(prompt, lead)
 
     def chat_prompt(parsed: ChatRequest, state: str | None) -> tuple[ChatCall, str]:
