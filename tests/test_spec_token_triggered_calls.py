@@ -191,7 +191,8 @@ def test_auto_forced_reply_one_call(engines, family):
 
 @pytest.mark.parametrize("family", FAMILY_LIST)
 @pytest.mark.parametrize("choice", ["required", "get_weather", "required-one"])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("bias", [False, pytest.param(True, marks=pytest.mark.slow)])  # (the bias: also
+# test_audit_control_tokens_families' forced calls, without speculation; the grammar's spelling forces the token)
 def test_forced_call_greedy(engines, family, choice, bias):
     """"required", a named tool, and "required" with parallel_tool_calls=False: the model's own
     greedy call (an enum argument so that it ends), alike with and without speculation; with
