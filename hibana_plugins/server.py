@@ -63,7 +63,8 @@ from hibana_core.config import MAX_JSON_DEPTH, nests_deeper
 from hibana_core.engine_core import STEP_TIME_BUCKETS
 from hibana_core.errors import (ChatTimeoutError, ConfigError, ContextLengthError, EngineClosedError, GrammarError,
                                 HibanaError, InvalidTokenError, QueueTimeoutError, StateBusyError)
-from hibana_core.messages import ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError
+from hibana_core.messages import (ConversationError, ToolChoiceError, ToolSchemaError, UnsupportedContentError,
+                                  check_text)
 from hibana_core.prompt import leading_specials
 from hibana_core.turn import ChatDelta
 from hibana_plugins.manager import PluginError, get_plugin_manager
@@ -403,6 +404,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         return parsed
 
     lead = leading_specials(engine.tokenizer)
+    lead_text = "".join(engine.tokenizer.convert_ids_to_tokens(list(lead))) if lead else ""
 
     def with_lead(prompt: "str | TokenIds") -> "str | TokenIds":
         """A completions prompt given as text, with the tokenizer's BOS in front where it adds one and
@@ -412,10 +414,13 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
         word's "▁"). Kept as text, so that the next turn's text continues the state on its text, as
         a prompt without a BOS does (as token ids, a reply that its text re-tokenizes otherwise left
         the state unused). A text whose tokens start with the BOS is the prompt as given, and so
-        are token ids."""
+        are token ids. Only the text's head is encoded to tell (the BOS's text, after any leading
+        whitespace a special token may take): the turn encodes the whole prompt once, later."""
         if not lead or isinstance(prompt, TokenIds):
             return prompt
-        writes_lead = tuple(text_chat.prompt_tokens(prompt)[:len(lead)]) == lead
+        head = prompt[:len(prompt) - len(prompt.lstrip()) + len(lead_text)]
+        check_text(head, "the prompt")  # (the turn checks the rest)
+        writes_lead = tuple(engine.tokenizer.encode(head, add_special_tokens=False)[:len(lead)]) == lead
         return prompt if writes_lead else LedText(prompt, lead)
 
     def chat_prompt(parsed: ChatRequest, state: str | None) -> tuple[ChatCall, str]:
@@ -543,7 +548,7 @@ def create_app(engine: "Engine", config: ServerConfig) -> FastAPI:
             prompts, call = await asyncio.to_thread(lambda: ([with_lead(p) for p in prompts_of(parsed, state)],
                                                              chat_call(parsed, state, max_tokens_limit)))
             choices = choice_calls(call)
-        except HibanaError as exc:  # (a text prompt is tokenized here where the tokenizer writes a BOS)
+        except HibanaError as exc:
             raise api_error(exc, "prompt") from None
         servings = [Serving(text_chat, prompt, choice, config.request_timeout, named)
                     for prompt in prompts for choice in choices]
