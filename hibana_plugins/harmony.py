@@ -75,7 +75,6 @@ class _HarmonyStream(_Stream):
         self._mode = "header"
         self._channel: str | None = None
         self._recipient: str | None = None
-        self._start = 0  # where `_buffer` starts in the text fed
         self._calls_allowed = calls
         self.reasoning = ""
         """The analysis messages' bodies so far (one line break between two), as they come."""
@@ -161,15 +160,11 @@ class _HarmonyStream(_Stream):
     def _take(self, n: int) -> str:
         """The first `n` characters of `_buffer`, removed from it."""
         taken, self._buffer = self._buffer[:n], self._buffer[n:]
-        self._start += n
         return taken
 
     def _find(self, marker: str, begin: int = 0, end: int | None = None) -> int:
         """Where the first real `marker` in `_buffer[begin:end]` starts; -1 if none."""
-        at = self._buffer.find(marker, begin, end)
-        while at >= 0 and not self._markers.at(self._start + at, self._start + at + len(marker)):
-            at = self._buffer.find(marker, at + 1, end)
-        return at
+        return self._markers.find(self._buffer, marker, begin, end)
 
     def _first_end(self) -> tuple[int, str]:
         """Where the first message end marker in `_buffer` is, and which; (-1, "") if none."""

@@ -326,11 +326,12 @@ class _Markers:
             return True
         return self.textual and (self._added is None or marker not in self._added)
 
-    def find(self, tail: str, marker: str) -> int:
-        """Where `marker` stands in `tail`, the end of all that was fed, as a marker (-1: nowhere)."""
-        start, at = self.fed - len(tail), tail.find(marker)
+    def find(self, tail: str, marker: str, begin: int = 0, end: int | None = None) -> int:
+        """Where `marker` stands in `tail[begin:end]` (`tail`: the end of all that was fed) as a
+        marker, as an index of `tail` (-1: nowhere)."""
+        start, at = self.fed - len(tail), tail.find(marker, begin, end)
         while at >= 0 and not self.at(start + at, start + at + len(marker), marker):
-            at = tail.find(marker, at + 1)
+            at = tail.find(marker, at + 1, end)
         return at
 
 
