@@ -328,7 +328,7 @@ class Chat:
         if needed == len(held) and held_text.endswith(LOSSY):  # a reply that max_tokens cut inside a character:
             # its text, as its client got it, ends before that character's first bytes
             held_text = decode(held[len(lead):finished_end(held, self._raw_bytes())], skip_special_tokens=False)
-        if prompt.startswith(held_text):
+        if self._spells(held[len(lead):needed], prompt, held_text) >= 0:
             return True
         return self.thinks and self._without_thinking(prompt)[0].startswith(self._without_thinking(held_text)[0])
 
@@ -638,8 +638,9 @@ class Chat:
             held_text = self.engine.tokenizer.decode(held[:end], skip_special_tokens=False)
             if LOSSY in held_text:  # bytes no text holds (a character cut) decode as it: they spell another text
                 continue
-            if text.startswith(held_text) and self._controls_are_markup(held[:end], text):
-                kept, at = end, len(held_text)
+            at = self._spells(held[:end], text, held_text)
+            if at >= 0 and self._controls_are_markup(held[:end], text):
+                kept = end
                 if end == ends[-1]:
                     kept, at = self._stopped_reply(held, end, text, at)
                 return [*lead, *held[:kept], *self._encode_fitting(text, at, len(lead) + kept, held[kept - 1])]
@@ -648,6 +649,27 @@ class Chat:
                 return [*lead, *held[:end], *self._encode_fitting(text, positions[len(bare) - 1] + 1, len(lead) + end,
                                                                   held[end - 1])]
         return [*lead, *self._encode_fitting(text, kept=len(lead))]
+
+    def _spells(self, tokens: Sequence[int], text: str, spelled: str) -> int:
+        """How much of `text` a state's `tokens` spell, `spelled` being their decoded text and the
+        tokens a text's first (past its lead); -1 where the text does not begin with them. A decoder
+        may drop whitespace from a text's start: SentencePiece's dummy prefix makes " the" and
+        "the" both begin "▁the", which decodes as "the", and "  two" begin "▁", "▁t", which decodes
+        as " two" (and " two" itself begins "▁t"). So where the text begins with whitespace, the
+        tokens spell it only if its head encodes to their head again."""
+        if not tokens:
+            return 0
+        blank = len(text) - len(text.lstrip())
+        extra = blank - (len(spelled) - len(spelled.lstrip()))  # whitespace the decoder dropped
+        if extra < 0 or not text.startswith(spelled, extra):
+            return -1
+        if blank:
+            n = min(len(tokens), 4)  # the whitespace is in the first tokens
+            head_text = self.engine.tokenizer.decode(tokens[:n], skip_special_tokens=False)
+            same = max(n - 1, 1)  # the head's last token may merge otherwise with the text after it
+            if self._encode(text[:extra + len(head_text)])[:same] != list(tokens[:same]):
+                return -1
+        return extra + len(spelled)
 
     def _stopped_reply(self, held: Sequence[int], end: int, text: str, at: int) -> tuple[int, int]:
         """How many of the state's tokens to keep, and where in `text` the rest starts, when the

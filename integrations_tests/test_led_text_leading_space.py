@@ -1,5 +1,6 @@
-"""A BOS tokenizer's /v1/completions text prompt (`LedText`) that begins with whitespace: a known
-gap, kept as a strict xfail (the next turn gets a new state, its output right)."""
+"""A BOS tokenizer's /v1/completions text prompt (`LedText`) that begins with whitespace: its next
+turn continues its state, though the SentencePiece decoder drops the whitespace its dummy prefix
+took (`Chat._spells`), and a text whose head tokenizes otherwise does not."""
 
 from __future__ import annotations
 
@@ -20,10 +21,6 @@ def _completion(client, prompt: str, state: str | None = None):
     return raw.headers[STATE_HEADER], raw.parse()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Chat.continues compares the state's decoded text past the BOS with the prompt: SentencePiece's decoder "
-    "drops the leading space its dummy prefix took, and a token comparison fails at the reply's seam; the "
-    "output is right (prompt_ids re-encodes), only an unnamed state's continuation is lost"))
 @pytest.mark.parametrize("text", [" the cat sat on the mat and then", "  two spaces and then"])
 def test_a_sentencepiece_led_text_that_begins_with_a_space_continues_its_state(servers, text):
     """A SentencePiece tokenizer folds a text's leading space into its dummy prefix ("▁the"), and
@@ -31,8 +28,8 @@ def test_a_sentencepiece_led_text_that_begins_with_a_space_continues_its_state(s
     as "the cat sat..." (" two spaces" for "  two spaces"), which the next turn's text, the same
     " the cat sat..." + reply + more, does not start with. The state is never continued (a new
     state each turn), which is what the commit sets out to fix for multi-turn completions.
-    Expected: as for "the cat sat..." (test_a_multi_turn_text_conversation_reuses_the_resident_state),
-    the second turn is served by the first turn's state."""
+    As for "the cat sat..." (test_a_multi_turn_text_conversation_reuses_the_resident_state), the
+    second turn is served by the first turn's state."""
     engine, url, bos = servers("sentencepiece")
     chat, lead = Chat(engine), leading_specials(engine.tokenizer)
     held = chat.prompt_tokens(LedText(text, lead))
@@ -42,3 +39,22 @@ def test_a_sentencepiece_led_text_that_begins_with_a_space_continues_its_state(s
     served, reply = _completion(client, text)
     state, _ = _completion(client, text + reply.choices[0].text + " and the")
     assert state == served
+
+
+@pytest.mark.parametrize("held, asked, continued", [
+    ("  two spaces", " two spaces and more", False),  # " two" begins "▁t", "  two" "▁", "▁t": both decode " two"
+    (" two spaces", "  two spaces and more", False),
+    ("\nthe cat", "\nthe cat and more", True),  # "▁", "\n", ...: the dummy prefix before a newline
+    ("the cat", " the cat and more", True),  # " the" and "the" both tokenize "▁the"
+    (" the cat", "the cat and more", True),
+    ("the cat", "  the cat and more", False),
+])
+def test_leading_whitespace_continues_only_where_the_tokens_are_the_texts(servers, held, asked, continued):
+    """A state's text is continued by a prompt whose leading whitespace its decoder may have dropped
+    only where the prompt's head tokenizes to the state's head (the same tokens a fresh state gets)."""
+    engine, _, _ = servers("sentencepiece")
+    chat, lead = Chat(engine), leading_specials(engine.tokenizer)
+    tokens = chat.prompt_tokens(LedText(held, lead))
+    fresh = chat.prompt_tokens(LedText(asked, lead))
+    assert (fresh[:len(tokens) - 1] == tokens[:-1]) == continued  # what the tokenizer says (the seam aside)
+    assert chat.continues(tokens, LedText(asked, lead)) == continued
