@@ -273,10 +273,10 @@ class Chat:
         fewer tokens than a branch of it that an edited turn made."""
         for match in self.engine.registry.matches(ids, self.CANDIDATES, unnamed=True):
             try:
-                held = match.tokens
+                held, turn_start = self.engine.registry.held(match)
             except StateClosedError:  # closed meanwhile (unnamed states over their bound close)
                 continue
-            if self.continues(held, prompt, reasoning_history):
+            if self.continues(held, prompt, reasoning_history, turn_start):
                 handle = self._lease(stack, match.id, busy_ok=True)
                 if handle is not None:  # else taken meanwhile
                     return handle
@@ -301,7 +301,8 @@ class Chat:
                 return None
             raise
 
-    def continues(self, held: Sequence[int], prompt: "str | TokenIds", reasoning_history: str = "template") -> bool:
+    def continues(self, held: Sequence[int], prompt: "str | TokenIds", reasoning_history: str = "template",
+                  turn_start: int | None = None) -> bool:
         """Whether `prompt` (rendered text, text after its lead, or token ids) goes on from a state's
         conversation: holds it up to its last reply, which a re-render may spell differently (a
         `LedText`: the state's text past the lead it holds, which a re-tokenized reply's seam or
@@ -309,7 +310,12 @@ class Chat:
         prompt and tools would throw another conversation away. Replies whose thinking the
         template left out are this conversation's under either policy (under "template"
         `prompt_ids` recomputes from the first dropped block; a new state left this one behind,
-        unused, at every user turn after a tool loop): `reasoning_history` changes nothing."""
+        unused, at every user turn after a tool loop): `reasoning_history` changes nothing.
+
+        Where no message ends before the last reply (a text completion's state), the prompt holds
+        it up to where its last generation began (`turn_start`, `StateRegistry.held`): the reply
+        is the client's to end, as it got it (its EOS, and a stop string's tokens, it never saw)
+        or edited."""
         ends = [i + 1 for i, token in enumerate(held) if token in self._message_ends]
         if ends and ends[-1] == len(held):
             ends.pop()  # the end of the last reply
@@ -318,7 +324,7 @@ class Chat:
         while opening and len(ends) > 1 and decode(held[ends[-2]:ends[-1]], skip_special_tokens=False).lstrip() \
                 .startswith(opening):
             ends.pop()  # an earlier message of the last reply (gpt-oss's analysis, which its template drops)
-        needed = ends[-1] if ends else self._last_reply_start(held)
+        needed = ends[-1] if ends else min(self._last_reply_start(held), len(held) if turn_start is None else turn_start)
         if isinstance(prompt, TokenIds):
             return list(prompt[:needed]) == list(held[:needed])
         lead = _lead_of(prompt)  # a text after its lead: the state's text is what follows the lead it holds

@@ -88,6 +88,7 @@ class _Entry:
     forced: list[int] | None = None  # bench only: what its next generation emits (`force_outputs`)
     stored: tuple[int, int, int] | None = None  # the state_dir file it resumed from (`_file_key`), if any
     resumed: list[int] | None = None  # the tokens it resumed with from that file
+    turn_start: int | None = None  # its history's length when its last generation began (that call's prompt)
 
     @property
     def last_use(self) -> float:
@@ -618,6 +619,15 @@ class StateRegistry:
         with self.lock:
             return list(self._entry(handle).seq.tokens)
 
+    def held(self, handle: StateHandle) -> tuple[list[int], int | None]:
+        """The state's history, and how much of it was the prompt of its last generation (None where
+        it has generated nothing since it was made or loaded): where that generation's reply begins,
+        which a text completion's next turn need not spell as the model did (`Chat.continues`)."""
+        with self.lock:
+            entry = self._entry(handle)
+            tokens = list(entry.seq.tokens)
+            return tokens, None if entry.turn_start is None else min(entry.turn_start, len(tokens))
+
     def length(self, handle: StateHandle) -> int:
         return len(self._entry(handle).seq)
 
@@ -706,6 +716,7 @@ class StateRegistry:
             if tokens is not None:
                 seq.set_tokens(tokens)
             entry.use.priority = params.priority  # also how long its KV is kept once idle
+            entry.turn_start = length
             generator = make_generator(params.seed, self.limits.device) if params.seed is not None else None
             request = Request(seq, params, generator, stops, self.limits.max_model_len, state_id=handle.id,
                               grammar=grammar, use=entry.use,
@@ -754,7 +765,9 @@ class StateRegistry:
             tier = self.core.scheduler.eviction.tier
             if seq.parked is not None and tier is not None:
                 tier.share(seq, twin)  # a parked copy of its own (a hard link on disk), or none
-            return self._add(new_id, twin)
+            forked = self._add(new_id, twin)
+            self._entries[new_id].turn_start = self._entry(handle).turn_start
+            return forked
 
     def save(self, handle: StateHandle, path: str | os.PathLike) -> None:
         path = state_file.as_path(path)

@@ -242,16 +242,18 @@ def test_a_multi_turn_text_conversation_reuses_the_resident_state(servers, famil
 
 @pytest.mark.parametrize("family", ["llama3", "sentencepiece"])
 def test_a_text_prompt_that_edits_the_earlier_text_is_not_continued(servers, family):
-    """A text prompt that does not hold the state's text past its BOS (an edited prompt, a reply
-    written otherwise) goes to another state, and its reply is a fresh state's."""
+    """A text prompt that does not hold the state's earlier prompt past its BOS (an edited prompt)
+    goes to another state, and one that holds it with the reply written otherwise continues it
+    (the reply is the client's to end or edit, as a chat's last reply is); either way its reply is
+    a fresh state's."""
     engine, url, bos = servers(family)
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     first = "the cat sat on the mat and then"
     served, reply = _completion(client, first)
-    for k, edited in enumerate([first.replace("cat", "dog") + reply.choices[0].text + " and the",
-                                first + " a bird sang and the"]):
+    for k, (edited, continued) in enumerate([(first.replace("cat", "dog") + reply.choices[0].text + " and the", False),
+                                             (first + " a bird sang and the", True)]):
         state, got = _completion(client, edited)
-        assert state != served, edited
+        assert (state == served) == continued, edited
         fresh = _completion(client, edited, f"edited-{family}-{k}")[1]
         assert got.choices[0].text == fresh.choices[0].text, edited
         want = call(url, "/tokenize", {"prompt": edited})[1]["tokens"]
