@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hibana_core.chat import REASONING_EFFORTS, StreamedLogprobs, TokenIds, assistant_message
 from hibana_core.config import MAX_STOPS, SamplingParams, token_id_key
@@ -184,6 +184,16 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: Literal[True] | None = None  # the chat endpoint's prompt always ends with it
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_body(cls, body: Any) -> Any:
+        """A whole chat request's body counts as its messages and tools: its other fields (sampling,
+        tool_choice, response_format, stream...) do not change the prompt, and are left out, as
+        vLLM's /tokenize leaves them; a field no chat request has is still refused."""
+        if isinstance(body, dict) and "messages" in body:
+            return {k: v for k, v in body.items() if k in cls.model_fields or k not in ChatRequest.model_fields}
+        return body
 
 
 class DetokenizeRequest(BaseModel):

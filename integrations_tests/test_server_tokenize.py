@@ -87,6 +87,20 @@ def test_tokenize_refuses_what_it_cannot_count(demo, body, status, param, says):
     assert got == status and reply["error"]["param"] == param and says in reply["error"]["message"]
 
 
+def test_a_whole_chat_body_counts_as_its_messages_and_tools(demo):
+    """A client posts the chat request it is about to send: its sampling and output fields do not
+    change the prompt and are left out, as vLLM's /tokenize leaves them; a field no chat request
+    has (a misspelt one) is still refused."""
+    engine, url = demo
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    bare = call(url, "/tokenize", {"messages": messages, "tools": [WEATHER]})
+    whole = {"model": "demo", "messages": messages, "tools": [WEATHER], "tool_choice": "required", "temperature": 0.3,
+             "max_tokens": 5, "stream": True, "response_format": {"type": "json_object"}, "parallel_tool_calls": False}
+    assert call(url, "/tokenize", whole) == bare and bare[0] == 200
+    got, reply = call(url, "/tokenize", dict(whole, temprature=0.3))
+    assert got == 400 and reply["error"]["param"] == "temprature"
+
+
 def test_detokenize_refuses_ids_outside_the_vocabulary(demo):
     engine, url = demo
     for tokens in ([engine.vocab_size], [-1], [1, "a"]):
