@@ -419,6 +419,9 @@ def contents_given(messages: list[dict]) -> None:
         if message.get("role") in ("system", "developer", "user", "tool") and message.get("content") is None:
             raise ApiError(400, f"messages[{i}] is a {message['role']} message without content; give it a string "
                                 "or a list of text parts", "messages")
+        if message.get("content") == []:  # OpenAI's: an array of at least one part
+            raise ApiError(400, f"messages[{i}].content is an empty list of parts; give at least one part, or a "
+                                "string (an assistant message holding only calls: null)", f"messages[{i}].content")
         if message.get("role") == "tool" and not message.get("tool_call_id"):
             raise ApiError(400, f"messages[{i}] is a tool message without tool_call_id; give the id of the call "
                                 "it answers", "messages")

@@ -663,6 +663,7 @@ def test_a_wrong_or_missing_key_is_refused(base_url):
      b'{"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}', "tool_choice"),
     (b'{"model": "demo", "messages": [{"role": "tool", "content": "hi"}]}', "messages"),
     (b'{"model": "demo", "messages": [{"role": "user"}]}', "messages"),                      # no content
+    (b'{"model": "demo", "messages": [{"role": "user", "content": []}]}', "messages[0].content"),  # no part
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": '
      b'"c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": "ok"}]}',
      "messages"),                                                                             # no tool_call_id
