@@ -512,8 +512,8 @@ class _Call:
             reason = "stop"  # the call's arguments are the content: the message has no tool calls
         metadata = {"model_name": self.model_name, "model_provider": PROVIDER,
                     "finish_reason": reason, "state_id": self.served_by}
-        if result.error:
-            metadata["tool_call_error"] = result.error
+        if result.error:  # a cut call's says what ended it and what to do, as its invalid call's error does
+            metadata["tool_call_error"] = self.cut_call_error(result) if result.cut_call else result.error
         # streamed: the last chunk carries those no chunk did
         logprobs = (self.chat.openai_logprobs(result) if self.streamed_logprobs is None
                     else self.streamed_logprobs.take(result))
