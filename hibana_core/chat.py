@@ -88,6 +88,10 @@ class TokenIds(tuple):
         return super().__new__(cls, ids)
 
 
+HEAD_TOKENS = 64
+"""`Chat._spells` looks this far into a state's tokens for the first that spells more than whitespace."""
+
+
 class LedText(str):
     """A prompt given as text that the tokenizer's lead tokens go before (its BOS, where it adds
     one: `prompt.leading_specials`; a completions prompt whose text does not write it): its tokens
@@ -662,18 +666,22 @@ class Chat:
         may drop whitespace from a text's start: SentencePiece's dummy prefix makes " the" and
         "the" both begin "▁the", which decodes as "the", and "  two" begin "▁", "▁t", which decodes
         as " two" (and " two" itself begins "▁t"). So where the text begins with whitespace, the
-        tokens spell it only if its head encodes to their head again."""
+        tokens spell it only if its head, through its first piece of more than whitespace, encodes
+        to their head again (a run of lone-space tokens would otherwise match a run one longer)."""
         if not tokens:
             return 0
         blank = len(text) - len(text.lstrip())
         extra = blank - (len(spelled) - len(spelled.lstrip()))  # whitespace the decoder dropped
         if extra < 0 or not text.startswith(spelled, extra):
             return -1
-        if blank:
-            n = min(len(tokens), 4)  # the whitespace is in the first tokens
-            head_text = self.engine.tokenizer.decode(tokens[:n], skip_special_tokens=False)
-            same = max(n - 1, 1)  # the head's last token may merge otherwise with the text after it
-            if self._encode(text[:extra + len(head_text)])[:same] != list(tokens[:same]):
+        if blank:  # the tokens up to the first that spells more than whitespace must be the text's own
+            decode = functools.partial(self.engine.tokenizer.decode, skip_special_tokens=False)
+            first = next((i for i in range(min(len(tokens), HEAD_TOKENS)) if decode(tokens[:i + 1]).strip()), None)
+            if first is None and len(tokens) > HEAD_TOKENS:
+                return -1  # (a run of whitespace that long: not worth the encoding)
+            upto = len(tokens) if first is None else first + 1
+            head_text = decode(tokens[:min(upto + 1, len(tokens))])  # one token more where there is one: the
+            if self._encode(text[:extra + len(head_text)])[:upto] != list(tokens[:upto]):  # compared ones end inside
                 return -1
         return extra + len(spelled)
 

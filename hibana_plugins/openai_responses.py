@@ -210,10 +210,13 @@ def _messages(instructions: str | None, given: str | list[dict]) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ApiError(400, f"{where}.role is {role!r:.40}; use user, system, developer or assistant", "input")
             content = _text_of(item.get("content"), f"{where}.content")
+            if content == []:  # (as the chat endpoint refuses it, in this API's terms)
+                raise ApiError(400, f"{where}.content is an empty list of parts; give at least one part, or a string",
+                               "input")
             last = messages[-1] if messages else None
             if role == "assistant" and last is not None and last.get("tool_calls") and not thinking:
                 # text the model wrote after a call (a message item after its function_call): the same turn
-                last["content"] = _parts(last["content"]) + _parts(content)
+                last["content"] = _parts(last["content"]) + _parts(content) or None
             elif role == "assistant":
                 assistant(content)
             else:

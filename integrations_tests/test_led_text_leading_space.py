@@ -48,6 +48,8 @@ def test_a_sentencepiece_led_text_that_begins_with_a_space_continues_its_state(s
     ("the cat", " the cat and more", True),  # " the" and "the" both tokenize "▁the"
     (" the cat", "the cat and more", True),
     ("the cat", "  the cat and more", False),
+    ("   x y", "    x y and more", False),  # "▁" runs: lone-space tokens up to the word's
+    ("    x y", "   x y and more", False),
 ])
 def test_leading_whitespace_continues_only_where_the_tokens_are_the_texts(servers, held, asked, continued):
     """A state's text is continued by a prompt whose leading whitespace its decoder may have dropped
@@ -58,3 +60,27 @@ def test_leading_whitespace_continues_only_where_the_tokens_are_the_texts(server
     fresh = chat.prompt_tokens(LedText(asked, lead))
     assert (fresh[:len(tokens) - 1] == tokens[:-1]) == continued  # what the tokenizer says (the seam aside)
     assert chat.continues(tokens, LedText(asked, lead)) == continued
+
+
+@pytest.mark.parametrize("held, asked", [("   x y", "    x y and more"), ("x y", " x y and more")])
+def test_a_byte_level_tokenizers_leading_whitespace_is_its_own(servers, held, asked):
+    """Llama 3's byte-level decoder drops no whitespace: a prompt with other leading whitespace than
+    the state's text (a run of lone-space tokens one longer) does not continue it."""
+    engine, _, _ = servers("llama3")
+    chat, lead = Chat(engine), leading_specials(engine.tokenizer)
+    tokens = chat.prompt_tokens(LedText(held, lead))
+    assert not chat.continues(tokens, LedText(asked, lead))
+
+
+def test_a_completions_prompt_is_given_the_tokens_of_its_own_whitespace(servers):
+    """Past an end-of-turn token the prompt holds too, `prompt_ids` keeps the state's tokens only
+    where they spell the prompt's own leading whitespace: the model reads the prompt's text, and
+    usage.prompt_tokens is /tokenize's count."""
+    from test_audit_server_tokenize_families import call
+
+    engine, url, _ = servers("llama3")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    client.completions.create(model="tiny", prompt="   x y<|eot_id|>", max_tokens=3, extra_body={"ignore_eos": True})
+    second = "    x y<|eot_id|> more"
+    got = client.completions.create(model="tiny", prompt=second, max_tokens=3, extra_body={"ignore_eos": True})
+    assert got.usage.prompt_tokens == call(url, "/tokenize", {"prompt": second})[1]["count"]

@@ -170,6 +170,7 @@ def test_the_raw_stream_names_each_event_and_ends_without_done(client):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format.schema", "text.format"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type", "text.format.type"),
     ({"input": "hello " * 3000}, "input", "context"),
+    ({"input": [{"role": "user", "content": []}]}, "input", "input[0].content is an empty list"),
 ])
 def test_errors_name_the_field_the_client_sent(client, fields, param, named):
     """The request is checked as the chat request it means: its errors named max_completion_tokens,
@@ -180,6 +181,18 @@ def test_errors_name_the_field_the_client_sent(client, fields, param, named):
     assert body["param"] == param and named in body["message"], body
     for chat_field in ("max_completion_tokens", "reasoning_effort", "response_format"):
         assert chat_field not in body["message"]
+
+
+def test_an_assistant_message_of_empty_text_after_a_call_is_served(client):
+    """An assistant message item after a function_call joins that call's turn: an empty text gives
+    it no parts, which is a turn of calls alone, not an empty list the chat layer refuses."""
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    reply = client.responses.create(model="demo", tools=[tool], max_output_tokens=3, input=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "message", "role": "assistant", "content": ""},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert reply.status in ("completed", "incomplete")
 
 
 def test_an_error_mid_stream_is_the_streams_error_event():
