@@ -757,7 +757,8 @@ class StateRegistry:
     def fork(self, handle: StateHandle, new_id: str) -> StateHandle:
         check_id(new_id)
         with self.lock:
-            seq = self._editable(handle).seq
+            entry = self._editable(handle)
+            seq = entry.seq
             if new_id in self._entries:
                 raise StateExistsError(f"a state with id {new_id!r} is open; fork under another id")
             self._refuse_stored(new_id, "fork under another id")
@@ -766,7 +767,7 @@ class StateRegistry:
             if seq.parked is not None and tier is not None:
                 tier.share(seq, twin)  # a parked copy of its own (a hard link on disk), or none
             forked = self._add(new_id, twin)
-            self._entries[new_id].turn_start = self._entry(handle).turn_start
+            self._entries[new_id].turn_start = entry.turn_start
             return forked
 
     def save(self, handle: StateHandle, path: str | os.PathLike) -> None:

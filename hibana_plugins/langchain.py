@@ -314,18 +314,6 @@ def _json_text(value: Any, message: BaseMessage) -> str:
                                 "give it JSON values, or the result as text") from None
 
 
-def _legacy_arguments(arguments: Any) -> Any:
-    """A legacy `function_call`'s arguments (JSON text) as a call's: the object they spell, or the
-    text as it is where it spells none (as an invalid call's are kept)."""
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            return arguments
-        return parsed if isinstance(parsed, dict) else arguments
-    return arguments if isinstance(arguments, dict) else ""
-
-
 def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
     """LangChain messages as the OpenAI-style dicts `hibana_core.chat` renders."""
     out: list[dict] = []
@@ -343,7 +331,8 @@ def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             calls += [(c.get("id"), c["name"], c.get("args") or "") for c in m.invalid_tool_calls if c.get("name")]
             legacy = m.additional_kwargs.get("function_call")  # OpenAI's deprecated functions form, which
             if not calls and isinstance(legacy, dict) and legacy.get("name"):  # a FunctionMessage answers
-                calls = [(None, legacy["name"], _legacy_arguments(legacy.get("arguments")))]
+                calls = [(None, legacy["name"], legacy.get("arguments", ""))]  # JSON text, which normalize_messages
+                # parses as any call's (kept as text where it spells no JSON)
             if calls:
                 message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
                                          for i, n, a in calls]
